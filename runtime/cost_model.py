@@ -1,0 +1,82 @@
+"""How much a verification pass over T tokens costs relative to T = 1, measured on this machine, and the tree
+size that maximises expected tokens per unit of target time.
+
+The curve is measured once per (target, dtype, device, thread count, CPU) and cached as JSON in the cache dir.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from runtime.assets import cache_dir
+from runtime.target import Target
+from runtime.tree import Tree, verification_mask
+
+SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def _curve_path(target: Target):
+    machine = f"{platform.processor()}-{platform.machine()}-{os.cpu_count()}-{torch.get_num_threads()}"
+    key = f"{target.identity}|{target.dtype}|{target.device}|{machine}|{torch.__version__}"
+    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+    return cache_dir() / "cost_curves" / f"{digest}.json"
+
+
+@torch.inference_mode()
+def measure_cost_curve(target: Target, context: int = 256, sizes=SIZES, repeats: int = 5) -> dict[int, float]:
+    """Median seconds of a T-token tree pass after ``context`` cached tokens, divided by the T = 1 time."""
+    device = target.device
+    cache = target.new_cache(1, context + max(sizes) + 1)
+    prompt = torch.randint(0, target.vocab_size, (1, context), device=device)
+    target.forward(prompt, torch.arange(context, device=device)[None], cache, None, logits_from=context - 1)
+    cache.commit(context)
+    timings: dict[int, list[float]] = {size: [] for size in sizes}
+    for _ in range(repeats + 1):  # the first round warms up and is dropped
+        for size in sizes:
+            tree = Tree.chain(0, [1] * (size - 1), device=device)
+            mask = verification_mask(tree.ancestor_mask(), context)
+            positions = tree.position_ids(context)[None]
+            started = time.perf_counter()
+            target.forward(tree.tokens[None], positions, cache, mask)
+            timings[size].append(time.perf_counter() - started)
+    base = statistics.median(timings[1][1:])
+    return {size: statistics.median(values[1:]) / base for size, values in timings.items()}
+
+
+def cost_curve(target: Target) -> dict[int, float]:
+    """The cached curve for this target and machine, measured on first use (a few seconds)."""
+    path = _curve_path(target)
+    if path.is_file():
+        return {int(k): v for k, v in json.loads(path.read_text()).items()}
+    print("[headstart] measuring the target's verification cost curve on this machine (once) ...", file=sys.stderr)
+    curve = measure_cost_curve(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(curve, indent=1))
+    os.replace(partial, path)
+    return curve
+
+
+def expected_tokens(tree_tokens: int, acceptance: float) -> float:
+    """Tokens per pass for a chain of tree_tokens - 1 drafts, each accepted with probability ``acceptance``
+    given its parent was: 1 + a + a^2 + ... (the bonus token included)."""
+    return sum(acceptance ** k for k in range(tree_tokens))
+
+
+def best_tree_tokens(curve: dict[int, float], acceptance: float) -> int:
+    """The size maximising expected tokens per unit cost."""
+    return max(curve, key=lambda size: expected_tokens(size, acceptance) / curve[size])
+
+
+def choose_tree_tokens(target: Target, proposer) -> int:
+    if proposer.expected_acceptance <= 0:
+        return 1
+    return best_tree_tokens(cost_curve(target), proposer.expected_acceptance)

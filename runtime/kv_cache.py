@@ -1,0 +1,106 @@
+"""A preallocated KV cache that appends a tree's keys/values and then keeps only the accepted path.
+
+All layers live in one buffer ``kv [L, 2, B, Hkv, S_max, D]`` so that compaction is one gather for the whole
+model, not one per layer. Each batch row has its own length. The model writes new entries at
+``lengths[b] .. lengths[b] + T - 1`` during a forward (``update``); nothing becomes permanent until the caller says
+which entries to keep (``commit`` for plain appends, ``compact`` for a verified tree). Rejected entries stay in the
+buffer but beyond the row's length, so no mask ever lets them be read again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def compact_kv(kv: torch.Tensor, lengths: torch.Tensor, keep: torch.Tensor, n_keep: torch.Tensor) -> None:
+    """Move kept entries to the contiguous slots after each row's length, in place.
+
+    kv: [L, 2, B, Hkv, S_max, D]; lengths: [B] committed lengths; keep: [B, K] node indices (relative to
+    ``lengths[b]``, ascending, padded arbitrarily past ``n_keep[b]``); n_keep: [B].
+    Row b's entries at ``lengths[b] + keep[b, i]`` move to ``lengths[b] + i`` for i < n_keep[b].
+    """
+    width = keep.shape[1]
+    if width == 0:
+        return
+    offsets = torch.arange(width, device=keep.device)
+    valid = offsets[None, :] < n_keep[:, None]  # [B, K]
+    source = lengths[:, None] + torch.where(valid, keep, offsets[None, :])  # padding copies a slot onto itself
+    dest = lengths[:, None] + offsets[None, :]
+    layers, two, batch, heads, _, dim = kv.shape
+    index = source[None, None, :, None, :, None].expand(layers, two, batch, heads, width, dim)
+    gathered = torch.gather(kv, 4, index)  # gather first: sources and destinations may overlap
+    kv.scatter_(4, dest[None, None, :, None, :, None].expand_as(gathered), gathered)
+
+
+class KVCache:
+    """Preallocated cache shaped for a transformers model; pass it as ``past_key_values``.
+
+    Only ``update`` is called by the model. ``lengths`` is the committed length per row (LongTensor [B]).
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, max_length: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.kv = torch.zeros(num_layers, 2, batch_size, num_kv_heads, max_length, head_dim, dtype=dtype,
+                              device=device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.max_length = max_length
+        self.is_compileable = False
+        # A Python int copy of max(lengths) for batch 1 fast paths, kept in step with `lengths`.
+        self._max_len = 0
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv.shape[0]
+
+    @property
+    def max_committed(self) -> int:
+        return self._max_len
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write [B, Hkv, T, D] at each row's length; return keys/values [B, Hkv, max_len + T, D]."""
+        new = key_states.shape[2]
+        end = self._max_len + new
+        if end > self.max_length:
+            raise ValueError(f"KV cache overflow: {end} positions needed, {self.max_length} allocated")
+        layer = self.kv[layer_idx]
+        if self.kv.shape[2] == 1 or bool((self.lengths == self._max_len).all()):
+            start = self._max_len
+            layer[0, :, :, start:end] = key_states
+            layer[1, :, :, start:end] = value_states
+        else:
+            slots = self.lengths[:, None] + torch.arange(new, device=self.lengths.device)[None, :]  # [B, T]
+            index = slots[:, None, :, None].expand_as(key_states)
+            layer[0].scatter_(2, index, key_states)
+            layer[1].scatter_(2, index, value_states)
+        return layer[0, :, :, :end], layer[1, :, :, :end]
+
+    def commit(self, count: int | torch.Tensor) -> None:
+        """Keep the next ``count`` written entries of every row (or per row, a LongTensor [B])."""
+        self.lengths += count
+        self._max_len = int(self.lengths.max())
+
+    def compact(self, keep: torch.Tensor, n_keep: torch.Tensor) -> None:
+        """Keep written entries ``keep[b, :n_keep[b]]`` (indices relative to the row's length); see compact_kv."""
+        compact_kv(self.kv, self.lengths, keep, n_keep)
+        self.commit(n_keep)
+
+    def crop(self, length: int) -> None:
+        """Forget everything after ``length`` in every row."""
+        self.lengths.clamp_(max=length)
+        self._max_len = int(self.lengths.max())
+
+    # Methods transformers may query; we always pass position ids and 4D masks, so these are informational.
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._max_len
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._max_len
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._max_len + query_length, 0
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.max_length
+
+    def __len__(self) -> int:
+        return self.num_layers

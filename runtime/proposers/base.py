@@ -1,0 +1,61 @@
+"""The proposer interface: build a candidate tree from the current state; learn what was accepted.
+
+A proposer object holds configuration only. Everything that belongs to one generation (a draft cache, the
+position up to which features were consumed) lives in the state object returned by ``start`` and passed back in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from runtime.sampling import SamplingParams
+from runtime.tree import Tree
+
+
+@dataclass
+class ProposeInput:
+    """What the decoder knows before a proposal.
+
+    history [L] long: prompt + emitted tokens; history[-1] is the root of the next tree (not yet verified).
+    new_hidden [A, H] or None: target hidden states (after the final norm) of the positions verified since the
+    previous proposal, i.e. of history[L - 1 - A : L - 1]; new_layer_hidden: the same for requested layers.
+    budget: the largest tree (nodes, root included) the verifier wants.
+    """
+
+    history: torch.Tensor
+    new_hidden: torch.Tensor | None
+    new_layer_hidden: tuple[torch.Tensor, ...]
+    budget: int
+    sampling: SamplingParams
+    generator: torch.Generator | None
+
+
+class Proposer(Protocol):
+    name: str
+    hidden_layers: tuple[int, ...]  # target layers whose inputs the proposer needs (EAGLE-3); () for none
+    needs_hidden: bool  # whether the decoder should hand over target hidden states
+    expected_acceptance: float  # prior per-token acceptance rate, used to size trees from the cost curve
+
+    def start(self, prompt: torch.Tensor, max_length: int) -> Any:
+        """Per-generation state for a prompt [P] and a total length bound."""
+
+    def propose(self, state: Any, step: ProposeInput) -> Tree:
+        """A tree rooted at step.history[-1], at most step.budget nodes."""
+
+
+class NoProposer:
+    """Plain autoregressive decoding through the same verification path (a tree of just the root)."""
+
+    name = "none"
+    hidden_layers: tuple[int, ...] = ()
+    needs_hidden = False
+    expected_acceptance = 0.0
+
+    def start(self, prompt: torch.Tensor, max_length: int) -> None:
+        return None
+
+    def propose(self, state: None, step: ProposeInput) -> Tree:
+        return Tree.chain(int(step.history[-1]), [], device=step.history.device)

@@ -1,0 +1,68 @@
+"""EAGLE-2 dynamic tree expansion over any drafter that can run a frontier of nodes with a tree mask.
+
+The drafter's cache already holds the accepted context (committed length L, root included). Each expansion
+forwards the current frontier; its keys/values are appended after the context, so the mask for a frontier row is:
+the whole context, then the slots of the node's forwarded ancestors and its own slot.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from runtime.tree import Tree, keep_best_nodes, select_frontier
+
+# forward_frontier(node_ids [F], tokens [F], parent_ids [F] (-1 = root), positions [F], mask [F, L + slots])
+#   -> log-probabilities [F, V] of each node's children
+ForwardFrontier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def build_dynamic_tree(root_token: int, root_logprobs: torch.Tensor, context_len: int,
+                       forward_frontier: ForwardFrontier, depth: int, top_k: int, budget: int) -> Tree:
+    """Expand ``depth`` levels keeping the global top-k frontier by cumulative log-probability, then keep the best
+    ``budget - 1`` nodes of all levels (parent-before-child). root_logprobs [V]; the root sits at position
+    context_len - 1.
+    """
+    device = root_logprobs.device
+    max_nodes = depth * top_k
+    scores, tokens = root_logprobs.topk(min(top_k, root_logprobs.numel()))
+    node_tokens = [tokens]
+    node_parents = [torch.full_like(tokens, -1)]
+    node_scores = [scores]
+    node_depths = [torch.ones_like(tokens)]
+    frontier = torch.arange(tokens.numel(), device=device)
+    ancestors = torch.zeros(max_nodes, max_nodes, dtype=torch.bool, device=device)  # [node, forwarded slot]
+    slots_used = 0
+    for _ in range(depth - 1):
+        all_tokens = torch.cat(node_tokens)
+        all_parents = torch.cat(node_parents)
+        all_depths = torch.cat(node_depths)
+        count = frontier.numel()
+        parents = all_parents[frontier]
+        rows = torch.where(parents[:, None] >= 0, ancestors[parents.clamp_min(0)],
+                           torch.zeros_like(ancestors[:count]))
+        rows[torch.arange(count, device=device), slots_used + torch.arange(count, device=device)] = True
+        ancestors[frontier] = rows
+        slots_used += count
+        mask = torch.cat([torch.ones(count, context_len, dtype=torch.bool, device=device),
+                          rows[:, :slots_used]], dim=1)
+        logprobs = forward_frontier(frontier, all_tokens[frontier], parents,
+                                    context_len - 1 + all_depths[frontier], mask)
+        parent_pick, child_tokens, child_scores = select_frontier(torch.cat(node_scores)[frontier], logprobs, top_k)
+        first_new = all_tokens.numel()
+        node_tokens.append(child_tokens)
+        node_parents.append(frontier[parent_pick])
+        node_scores.append(child_scores)
+        node_depths.append(all_depths[frontier][parent_pick] + 1)
+        frontier = torch.arange(first_new, first_new + child_tokens.numel(), device=device)
+    all_tokens = torch.cat(node_tokens)
+    all_parents = torch.cat(node_parents)
+    keep = keep_best_nodes(torch.cat(node_scores), all_parents, budget - 1)
+    new_index = torch.full((all_tokens.numel() + 1,), -1, dtype=torch.long, device=device)
+    new_index[keep] = torch.arange(1, keep.numel() + 1, device=device)
+    kept_parents = all_parents[keep]
+    tree_parents = torch.where(kept_parents >= 0, new_index[kept_parents.clamp_min(0)], torch.zeros_like(kept_parents))
+    tokens_out = torch.cat([torch.tensor([root_token], device=device), all_tokens[keep]])
+    parents_out = torch.cat([torch.tensor([-1], device=device), tree_parents])
+    return Tree(tokens_out, parents_out)

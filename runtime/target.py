@@ -1,0 +1,197 @@
+"""The target model: loading (HF id, local dir, .gguf, alias) and one forward with a 4D mask and a cache.
+
+The stock transformers model is used unchanged. Differences between architectures are data read from the
+config (final logit soft-capping, tied embeddings); attention goes through the tree backends registered in
+``runtime.attention``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runtime import attention
+from runtime.assets import SMOLLM2_GGUF, cache_dir, packaged_file
+from runtime.kv_cache import KVCache
+
+DEFAULT_TARGET = "smollm2-135m"
+ALIASES = {"smollm2-135m": SMOLLM2_GGUF, "smollm2-135m-instruct": SMOLLM2_GGUF}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class TargetOutput:
+    """logits [B, T', V] (T' = positions asked for); hidden [B, T, H]: last layer after the final norm;
+    layer_hidden: the inputs of the requested decoder layers, each [B, T, H] (EAGLE-3 fusion)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    layer_hidden: tuple[torch.Tensor, ...] = ()
+
+
+class Target:
+    """A frozen causal LM plus its tokenizer. ``identity`` names the weights (checked by heads)."""
+
+    def __init__(self, model, tokenizer, identity: str):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.identity = identity
+        self.config = model.config
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 1 << 20))
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.config):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if value is None:
+                continue
+            ids.update(value if isinstance(value, (list, tuple)) else [value])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    def new_cache(self, batch_size: int, max_length: int) -> KVCache:
+        config = self.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return KVCache(config.num_hidden_layers, batch_size, kv_heads, head_dim, max_length, self.dtype, self.device)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
+                attention_mask: torch.Tensor | None, *, logits_from: int = 0, hidden_layers: tuple[int, ...] = (),
+                backend: str = "sdpa", prefix_len: int | None = None) -> TargetOutput:
+        """Run new tokens through the target; writes their K/V into ``cache`` (uncommitted).
+
+        input_ids, position_ids: [B, T]; attention_mask: [B, 1, T, S] bool over cache slots (S = cache's max
+        committed length + T), or None for a causal pass over an empty cache. Logits are computed for positions
+        ``logits_from ..`` only (a prefill needs just the last one). ``hidden_layers`` are decoder-layer indices
+        whose inputs are returned (layer i's input is hidden_states[i]).
+        """
+        outputs = self.decoder(input_ids=input_ids, position_ids=position_ids, past_key_values=cache,
+                               attention_mask=attention_mask, use_cache=True,
+                               output_hidden_states=bool(hidden_layers), tree_backend=backend,
+                               prefix_len=prefix_len)
+        hidden = outputs.last_hidden_state
+        layer_hidden = tuple(outputs.hidden_states[i] for i in hidden_layers) if hidden_layers else ()
+        return TargetOutput(self.logits(hidden[:, logits_from:]), hidden, layer_hidden)
+
+
+def _float_cache_for_gguf(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha1(f"{gguf_path.name}:{stat.st_size}".encode()).hexdigest()[:10]
+    return cache_dir() / "models" / f"{gguf_path.stem}-{key}"
+
+
+def _load_gguf(gguf_path: Path, dtype: torch.dtype, attn: str, quiet: bool):
+    """Dequantize a GGUF once, keep a float copy in the cache dir, and load from that copy afterwards."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    float_dir = _float_cache_for_gguf(gguf_path)
+    if not (float_dir / "config.json").is_file():
+        if not quiet:
+            print(f"[headstart] dequantizing {gguf_path.name} once (about 25 s); cached at {float_dir}",
+                  file=sys.stderr)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        # save_pretrained refuses a model that still looks quantized; the weights are plain floats by now.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        partial = float_dir.with_name(float_dir.name + ".partial")
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        if float_dir.exists():
+            raise RuntimeError(f"{float_dir} exists but has no config.json; delete it and retry")
+        os.replace(partial, float_dir)
+    model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=dtype, attn_implementation=attn)
+    tokenizer = AutoTokenizer.from_pretrained(float_dir)
+    return model, tokenizer
+
+
+def resolve_target(name_or_path: str) -> tuple[str, Path | None]:
+    """Map an alias or .gguf path to a GGUF file; returns (identity, gguf path or None for HF ids/dirs)."""
+    if name_or_path in ALIASES:
+        return name_or_path, packaged_file(ALIASES[name_or_path])
+    if name_or_path.endswith(".gguf"):
+        path = Path(name_or_path).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return path.name, path
+    return name_or_path, None
+
+
+def load_target(name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "float32",
+                device: str | torch.device = "cpu", trust_remote_code: bool = False, quiet: bool = False,
+                attn_implementation: str | None = None) -> Target:
+    """Load a target from an HF id, a local dir, a .gguf file or an alias (``smollm2-135m``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = parse_dtype(dtype)
+    attn = attn_implementation or attention.register_with_transformers()
+    identity, gguf_path = resolve_target(name_or_path)
+    if gguf_path is not None:
+        model, tokenizer = _load_gguf(gguf_path, torch_dtype, attn, quiet)
+    else:
+        local = Path(name_or_path).expanduser()
+        if (name_or_path.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").is_file():
+            raise FileNotFoundError(f"{local} is not a model directory (no config.json)")
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, attn_implementation=attn,
+                                                     trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    return Target(model.to(device), tokenizer, identity)
+
+
+def target_from_model(model, tokenizer=None, identity: str = "in-memory") -> Target:
+    """Wrap an already built model (tests build tiny random ones from configs). Switches it to tree attention."""
+    model.set_attn_implementation(attention.register_with_transformers())
+    return Target(model, tokenizer, identity)

@@ -1,0 +1,71 @@
+import torch
+
+from runtime.acceptance import greedy_accept, rejection_accept, typical_accept
+from runtime.tree import Tree
+
+
+def tree():
+    # 0 -> 1 (a) -> 3 (c)
+    #   -> 2 (b) -> 4 (d) -> 5 (e)
+    return Tree(torch.tensor([9, 1, 2, 3, 4, 5]), torch.tensor([-1, 0, 0, 1, 2, 4]))
+
+
+def test_greedy_walks_the_matching_branch_and_adds_the_bonus():
+    t = tree()
+    argmax = torch.tensor([2, 3, 4, 7, 8, 6])  # root wants 2 (node 2), node 2 wants 4 (node 4), node 4 wants 8
+    path, bonus = greedy_accept(t.tokens, t.parents, t.ancestor_mask(), argmax)
+    assert path == [0, 2, 4] and bonus == 8
+
+
+def test_greedy_rejects_everything():
+    t = tree()
+    path, bonus = greedy_accept(t.tokens, t.parents, t.ancestor_mask(), torch.tensor([6, 0, 0, 0, 0, 0]))
+    assert path == [0] and bonus == 6
+
+
+def test_greedy_full_path_takes_bonus_from_the_leaf():
+    t = tree()
+    path, bonus = greedy_accept(t.tokens, t.parents, t.ancestor_mask(), torch.tensor([2, 0, 4, 0, 5, 11]))
+    assert path == [0, 2, 4, 5] and bonus == 11
+
+
+def exact_first_token_distribution(p, children_tokens, q=None, samples=20000, seed=0):
+    """Empirical distribution of the first emitted token for a root with the given children."""
+    vocab = p.numel()
+    tokens = torch.tensor([0] + children_tokens)
+    kids = [list(range(1, len(tokens)))] + [[] for _ in children_tokens]
+    target = torch.stack([p] + [p] * len(children_tokens))
+    proposal = None if q is None else torch.stack([q] + [torch.zeros_like(q)] * len(children_tokens))
+    generator = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(vocab)
+    for _ in range(samples):
+        path, bonus = rejection_accept(tokens, kids, target, proposal, generator)
+        counts[tokens[path[1]] if len(path) > 1 else bonus] += 1
+    return counts / samples
+
+
+def test_rejection_with_deterministic_children_preserves_p():
+    p = torch.tensor([0.1, 0.4, 0.3, 0.2])
+    empirical = exact_first_token_distribution(p, [1, 2])
+    assert torch.allclose(empirical, p, atol=0.015)
+
+
+def test_rejection_with_sampled_children_preserves_p():
+    p = torch.tensor([0.1, 0.4, 0.3, 0.2])
+    q = torch.tensor([0.5, 0.1, 0.2, 0.2])
+    # children drawn i.i.d. from q: average over every possible pair of draws, weighted by its probability
+    total = torch.zeros(4)
+    for first in range(4):
+        for second in range(4):
+            weight = q[first] * q[second]
+            total += weight * exact_first_token_distribution(p, [first, second], q, samples=3000, seed=first * 4 + second)
+    assert torch.allclose(total, p, atol=0.015)
+
+
+def test_typical_acceptance_accepts_likely_children_only():
+    p = torch.tensor([0.7, 0.2, 0.05, 0.05])
+    tokens = torch.tensor([0, 2, 1])
+    kids = [[1, 2], [], []]
+    target = torch.stack([p, p, p])
+    path, _ = typical_accept(tokens, kids, target, torch.Generator().manual_seed(0))
+    assert path == [0, 2]  # token 2 (p = 0.05) is below the threshold, token 1 (0.2) passes
