@@ -17,7 +17,8 @@ from runtime.tree import verification_mask
 
 @dataclass
 class GenerationResult:
-    """tokens: the new tokens only. accept_lengths: tokens emitted by each verification pass (bonus included).
+    """tokens: the new tokens only. accept_lengths: tokens emitted by each verification pass (bonus included;
+    a pass cut short by a stop token or the length limit counts what it emitted).
     depth_attempts / depth_accepts: per tree depth d (index d - 1), how many passes proposed a node at depth d
     and how many of those accepted one."""
 
@@ -109,6 +110,8 @@ class SpeculativeDecoder:
         pending = [first]
         while True:
             emitted = self._emit(pending, result, stops, max_new_tokens, stream)
+            if result.target_forwards > 1:
+                result.accept_lengths.append(len(emitted))
             history[length:length + len(emitted)] = torch.tensor(emitted, device=device)
             length += len(emitted)
             if result.stop_reason != "running":
@@ -118,7 +121,6 @@ class SpeculativeDecoder:
             tree = proposer.propose(state, step)
             path, bonus, out = self._verify(tree, cache, sampling, generator, hidden_layers)
             result.target_forwards += 1
-            result.accept_lengths.append(len(path))
             result.tree_sizes.append(tree.size)
             self._count_depths(result, tree, len(path) - 1)
             pending = tree.tokens[path[1:]].tolist() + [bonus]

@@ -1,0 +1,46 @@
+"""Proposers that exist only to stress the verifier: a bad one and a random one."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.proposers.base import ProposeInput
+from runtime.tree import Tree
+
+
+class BadProposer:
+    """Always proposes the same wrong-looking chain."""
+
+    name = "bad"
+    hidden_layers: tuple[int, ...] = ()
+    needs_hidden = False
+    expected_acceptance = 0.5
+
+    def start(self, prompt, max_length):
+        return None
+
+    def propose(self, state, step: ProposeInput) -> Tree:
+        return Tree.chain(int(step.history[-1]), [3] * (step.budget - 1), device=step.history.device)
+
+
+class RandomProposer:
+    """A random tree shape with random tokens (siblings may repeat tokens), from its own seeded generator."""
+
+    name = "random"
+    hidden_layers: tuple[int, ...] = ()
+    needs_hidden = False
+    expected_acceptance = 0.5
+
+    def __init__(self, vocab_size: int, seed: int = 0):
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def start(self, prompt, max_length):
+        return None
+
+    def propose(self, state, step: ProposeInput) -> Tree:
+        size = int(torch.randint(1, step.budget + 1, (), generator=self.generator))
+        parents = [-1] + [int(torch.randint(0, i, (), generator=self.generator)) for i in range(1, size)]
+        tokens = torch.randint(0, self.vocab_size, (size,), generator=self.generator)
+        tokens[0] = step.history[-1]
+        return Tree(tokens, torch.tensor(parents))

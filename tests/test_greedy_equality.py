@@ -1,0 +1,86 @@
+"""Every proposer must reproduce the target's own greedy decoding token for token."""
+
+import pytest
+import torch
+
+from runtime.decoder import SpeculativeDecoder
+from runtime.proposers.draft_model import DraftModelProposer
+from runtime.proposers.ngram import NgramProposer
+from runtime.target import target_from_model
+from tests.conftest import tiny_model
+from tests.proposers_for_tests import BadProposer, RandomProposer
+
+VOCAB = 64
+PROMPTS = [[5], [1, 2, 3, 1, 2, 3, 1], list(range(10, 40))]
+NEW_TOKENS = 40
+
+
+def hf_greedy(arch, prompt, new_tokens, **kwargs):
+    model = tiny_model(arch, seed=0, vocab_size=VOCAB)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+def proposers(target, arch):
+    draft = target_from_model(tiny_model(arch, seed=1, vocab_size=VOCAB), identity="draft")
+    return {
+        "none": None,
+        "ngram": NgramProposer(),
+        "draft-tree": DraftModelProposer(draft, target, "tree", depth=4, top_k=3),
+        "draft-chain": DraftModelProposer(draft, target, "chain", depth=4),
+        "self-draft": DraftModelProposer(target, target, "chain", depth=6),
+        "bad": BadProposer(),
+        "random": RandomProposer(VOCAB),
+    }
+
+
+def test_every_proposer_matches_hf_greedy(arch):
+    target = target_from_model(tiny_model(arch, seed=0, vocab_size=VOCAB), identity="tiny")
+    references = [hf_greedy(arch, prompt, NEW_TOKENS) for prompt in PROMPTS]
+    for name, proposer in proposers(target, arch).items():
+        for tree_tokens in (1, 8):
+            decoder = SpeculativeDecoder(target, proposer, tree_tokens=tree_tokens)
+            for prompt, reference in zip(PROMPTS, references):
+                result = decoder.generate(prompt, NEW_TOKENS)
+                assert result.tokens == reference, f"{arch}/{name}/T={tree_tokens}: output differs"
+                assert sum(result.accept_lengths) + 1 == NEW_TOKENS or result.stop_reason == "stop"
+                assert result.target_forwards == len(result.accept_lengths) + 1
+
+
+def test_self_draft_accepts_whole_chains():
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    result = SpeculativeDecoder(target, DraftModelProposer(target, target, "chain", depth=5),
+                                tree_tokens=6).generate(PROMPTS[1], 34)
+    assert result.accept_lengths == [6] * 5 + [3]  # every draft accepted; the last pass is cut by the length limit
+    assert result.depth_acceptance[:5] == [1.0] * 5
+
+
+@pytest.mark.parametrize("proposer_name", ["none", "self-draft", "ngram"])
+def test_stop_token_inside_an_accepted_path_ends_generation_there(proposer_name):
+    reference = hf_greedy("llama", PROMPTS[2], NEW_TOKENS)
+    stop = reference[9]
+    expected = reference[: reference.index(stop) + 1]
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    proposer = proposers(target, "llama")[proposer_name]
+    streamed = []
+    result = SpeculativeDecoder(target, proposer, tree_tokens=8).generate(
+        PROMPTS[2], NEW_TOKENS, stop_token_ids=[stop], stream=streamed.extend)
+    assert result.tokens == expected and result.stop_reason == "stop"
+    assert streamed == expected
+    assert hf_greedy("llama", PROMPTS[2], NEW_TOKENS, eos_token_id=stop) == expected
+
+
+def test_max_new_tokens_is_respected_exactly():
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    decoder = SpeculativeDecoder(target, DraftModelProposer(target, target, "chain", depth=7), tree_tokens=8)
+    for limit in (1, 2, 5, 13):
+        assert len(decoder.generate(PROMPTS[1], limit).tokens) == limit
+
+
+def test_prompt_beyond_the_context_is_a_clear_error():
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    decoder = SpeculativeDecoder(target, None, tree_tokens=1)
+    with pytest.raises(ValueError, match="exceeds the target's context of 512"):
+        decoder.generate(list(range(500)) * 1, 20)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        decoder.generate([], 5)

@@ -1,0 +1,102 @@
+"""Sampling must be lossless: the first three generated tokens follow the target's exact distribution.
+
+Chi-square goodness of fit on the joint distribution of (x1, x2, x3) over a 5-token vocabulary; and the same test
+must reject a deliberately broken acceptance rule, so it can catch a real bug.
+"""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import runtime.decoder
+from runtime.acceptance import rejection_accept
+from runtime.decoder import SpeculativeDecoder
+from runtime.proposers.draft_model import DraftModelProposer
+from runtime.proposers.ngram import NgramProposer
+from runtime.sampling import SamplingParams, processed_probs
+from runtime.target import target_from_model
+from tests.conftest import tiny_model
+from tests.proposers_for_tests import RandomProposer
+
+VOCAB = 5
+PROMPT = [1, 2, 1, 2, 1, 3, 1, 2]
+SAMPLES = 1500
+
+
+def model(seed):
+    return tiny_model("llama", seed=seed, vocab_size=VOCAB, scale=8.0, num_hidden_layers=1)
+
+
+@torch.inference_mode()
+def exact_joint(params: SamplingParams) -> torch.Tensor:
+    """[V, V, V] probabilities of (x1, x2, x3) under the target, computed by enumeration."""
+    stock = model(0)
+    prompt = torch.tensor(PROMPT)
+    p1 = processed_probs(stock(prompt[None]).logits[0, -1], params)
+    ones = torch.arange(VOCAB)[:, None]
+    p2 = processed_probs(stock(torch.cat([prompt.expand(VOCAB, -1), ones], 1)).logits[:, -1], params)
+    pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))
+    p3 = processed_probs(stock(torch.cat([prompt.expand(len(pairs), -1), pairs], 1)).logits[:, -1], params)
+    return p1[:, None, None] * p2[:, :, None] * p3.view(VOCAB, VOCAB, VOCAB)
+
+
+def empirical_p_value(proposer, params: SamplingParams, tree_tokens: int = 4) -> float:
+    target = target_from_model(model(0), identity="tiny")
+    decoder = SpeculativeDecoder(target, proposer(target) if proposer else None, tree_tokens=tree_tokens)
+    counts = torch.zeros(VOCAB ** 3)
+    for seed in range(SAMPLES):
+        x1, x2, x3 = decoder.generate(PROMPT, 3, params.temperature, params.top_k, params.top_p, seed=seed).tokens
+        counts[x1 * VOCAB * VOCAB + x2 * VOCAB + x3] += 1
+    expected = exact_joint(params).flatten() * SAMPLES
+    assert counts[expected == 0].sum() == 0, "sampled a sequence the target gives zero probability"
+    # merge rare outcomes so every bin expects at least 5 samples
+    rare = expected < 5
+    observed = torch.cat([counts[~rare], counts[rare].sum()[None]])
+    wanted = torch.cat([expected[~rare], expected[rare].sum()[None]])
+    keep = wanted > 0
+    return float(chisquare(observed[keep].numpy(), wanted[keep].numpy() * observed.sum().item() / wanted[keep].sum().item()).pvalue)
+
+
+def draft(target, mode):
+    return DraftModelProposer(target_from_model(model(1), identity="draft"), target, mode, depth=3, top_k=2)
+
+
+PROPOSERS = {
+    "none": None,
+    "ngram": lambda target: NgramProposer(max_ngram=2),
+    "draft-tree": lambda target: draft(target, "tree"),
+    "draft-chain-sampled": lambda target: draft(target, "chain"),
+    "random": lambda target: RandomProposer(VOCAB, seed=3),
+}
+
+
+@pytest.mark.parametrize("name", list(PROPOSERS))
+def test_distribution_matches_target(name):
+    assert empirical_p_value(PROPOSERS[name], SamplingParams(temperature=1.0)) > 1e-3
+
+
+@pytest.mark.parametrize("name,params", [("draft-chain-sampled", SamplingParams(0.7, top_p=0.8)),
+                                         ("random", SamplingParams(1.3, top_k=3))],
+                         ids=["draft-chain-T0.7-top_p0.8", "random-T1.3-top_k3"])
+def test_distribution_with_truncation(name, params):
+    assert empirical_p_value(PROPOSERS[name], params) > 1e-3
+
+
+def test_a_broken_acceptance_rule_is_detected(monkeypatch):
+    def accept_without_residual(tokens, children, target_probs, proposal_probs, generator):
+        # Bug: ignores the draft distribution (accepts sampled children with p(x) instead of p(x)/q(x)) and
+        # does not remove rejected mass, so rejected tokens come back too often.
+        path = [0]
+        node = 0
+        while children[node]:
+            child = children[node][0]
+            if float(torch.rand((), generator=generator)) < float(target_probs[node][tokens[child]]) * 1.5:
+                path.append(child)
+                node = child
+            else:
+                break
+        return path, int(torch.multinomial(target_probs[node], 1, generator=generator))
+
+    monkeypatch.setattr(runtime.decoder, "rejection_accept", accept_without_residual)
+    assert empirical_p_value(PROPOSERS["draft-chain-sampled"], SamplingParams(temperature=1.0)) < 1e-6
+    monkeypatch.setattr(runtime.decoder, "rejection_accept", rejection_accept)
