@@ -1,0 +1,98 @@
+"""Medusa heads: K heads on the target's last hidden state; head i predicts the token i+2 positions ahead.
+
+Each head is a stack of residual blocks x + SiLU(Linear(x)) with zero-initialised linears (every head starts as the
+identity, so it starts as the target's own next-token predictor) followed by an LM head. The LM head is either the
+target's, shared and frozen (``shared_lm_head``: right for small targets, whose vocabulary dwarfs the hidden size),
+or one per head initialised from the target's. Module names follow vLLM's Medusa (``blocks.{h}.layers.{l}``,
+``lm_heads.{h}``) so export is a renaming-free copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class MedusaConfig:
+    num_heads: int = 4
+    num_layers: int = 1  # residual blocks per head
+    shared_lm_head: bool = True
+
+    def __post_init__(self):
+        if self.num_heads < 1 or self.num_layers < 0:
+            raise ValueError(f"Medusa needs num_heads >= 1 and num_layers >= 0 (got {self.num_heads}, "
+                             f"{self.num_layers})")
+
+
+class ResidualStack(nn.Module):
+    """x -> x + SiLU(W x + b), ``num_layers`` times; zero-initialised, so it starts as the identity."""
+
+    def __init__(self, hidden_size: int, num_layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_layers))
+        for layer in self.layers:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            hidden = hidden + F.silu(layer(hidden))
+        return hidden
+
+
+class MedusaHeads(nn.Module):
+    head_type = "medusa"
+
+    def __init__(self, config: MedusaConfig, target_config, lm_head_weight: torch.Tensor | None = None):
+        super().__init__()
+        self.config = config
+        self.target_config = target_config
+        self.hidden_size = target_config.hidden_size
+        self.vocab_size = int(target_config.vocab_size)
+        self.softcap = getattr(target_config, "final_logit_softcapping", None)
+        self.blocks = nn.ModuleList(ResidualStack(self.hidden_size, config.num_layers)
+                                    for _ in range(config.num_heads))
+        self.register_buffer("target_lm_head_weight", torch.empty(0), persistent=False)
+        if not config.shared_lm_head:
+            self.lm_heads = nn.ModuleList(nn.Linear(self.hidden_size, self.vocab_size, bias=False)
+                                          for _ in range(config.num_heads))
+        if lm_head_weight is not None:
+            self.attach_target_weights(None, lm_head_weight, init_heads=True)
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    def attach_target_weights(self, embed_weight, lm_head_weight: torch.Tensor, init_heads: bool = False) -> None:
+        """Shared mode: point at the target's LM head (frozen, not saved). ``init_heads``: copy it into own heads."""
+        if lm_head_weight.shape[1] != self.hidden_size:
+            raise ValueError(f"target LM head has width {lm_head_weight.shape[1]}, the heads have hidden size "
+                             f"{self.hidden_size}")
+        if self.config.shared_lm_head:
+            self.target_lm_head_weight = lm_head_weight.detach()
+        elif init_heads:
+            with torch.no_grad():
+                for head in self.lm_heads:
+                    head.weight.copy_(lm_head_weight)
+
+    def head_logits(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Head ``index`` on hidden [..., H] -> logits [..., V] (predicts the token index+2 positions ahead)."""
+        hidden = self.blocks[index](hidden)
+        if self.config.shared_lm_head:
+            if self.target_lm_head_weight.numel() == 0:
+                raise RuntimeError("shared-LM-head Medusa has no target LM head attached; load it with "
+                                   "load_head(dir, target_model)")
+            logits = F.linear(hidden, self.target_lm_head_weight.to(hidden.dtype))
+        else:
+            logits = self.lm_heads[index](hidden)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, T, H] (any leading dims) -> logits [K, B, T, V]."""
+        return torch.stack([self.head_logits(i, hidden) for i in range(self.num_heads)])

@@ -1,0 +1,215 @@
+"""The typed training configuration (Hydra structured configs), composed from conf/ in one place.
+
+Groups: head (eagle, eagle3, medusa), target, data, deepspeed, tracker. Every group file starts from the schema
+below, so an unknown key or a wrong type fails at composition with Hydra's error naming the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONFIG_NAME = "train"
+
+
+@dataclass
+class HeadConf:
+    type: str = MISSING
+    lr: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+
+
+@dataclass
+class EagleHeadConf(HeadConf):
+    """EAGLE-1/2: SmoothL1 on the next feature (feature_weight) + soft CE on the target's distribution (ce_weight)."""
+
+    type: str = "eagle"
+    num_layers: int = 1
+    feature_weight: float = 1.0
+    ce_weight: float = 0.1
+    noise_std: float = 0.2  # uniform noise on input features, width noise_std
+
+
+@dataclass
+class Eagle3HeadConf(HeadConf):
+    """EAGLE-3: fused low/mid/high features, draft vocabulary, training-time test over ttt_steps unrolled steps."""
+
+    type: str = "eagle3"
+    feature_layers: list[int] = field(default_factory=list)  # empty: inputs of layers 2, N//2, N-3
+    draft_vocab_size: int = 8192  # 0: the target's whole vocabulary
+    ttt_steps: int = 7
+    loss_decay: float = 0.8
+
+
+@dataclass
+class LoraConf:
+    """Medusa-2: train LoRA adapters of the target jointly, keeping the target's own LM loss."""
+
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    lm_loss_weight: float = 1.0
+
+
+@dataclass
+class MedusaHeadConf(HeadConf):
+    type: str = "medusa"
+    num_heads: int = 4
+    num_layers: int = 1
+    shared_lm_head: bool = True
+    loss_decay: float = 0.8
+    lr: float = 1e-3
+    lora: LoraConf = field(default_factory=LoraConf)
+
+
+@dataclass
+class TargetConf:
+    name: str = "smollm2-135m"  # alias, HF id, local directory or .gguf file
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataConf:
+    source: str = "sharegpt"  # sharegpt | json | hf
+    path: Optional[str] = None  # json: file; hf: dataset id; sharegpt: another copy of the file (default: packaged)
+    split: str = "train"
+    subset: Optional[str] = None
+    max_samples: Optional[int] = None  # training conversations (null: all)
+    val_samples: int = 32  # held-out conversations for evaluation
+    max_length: int = 512
+    min_assistant_tokens: int = 2
+    chat_template: Optional[str] = None  # null: the tokenizer's; "chatml"; or a Jinja string
+    seed: int = 0
+    cache: bool = True
+
+
+@dataclass
+class FeaturesConf:
+    mode: str = "online"  # online: frozen target forward inside each step; offline: read dumped features
+    dir: Optional[str] = None  # offline store (default: the cache directory, keyed by target + data + layers)
+    topk: int = 0  # offline: store the target's top-k log-probs (0: recompute exact logits from the stored hidden)
+    dtype: str = "float32"  # storage dtype of offline hidden states
+    batch_size: int = 8  # extraction batch
+
+
+@dataclass
+class DeepSpeedConf:
+    stage: int = 2
+    offload_optimizer: bool = False
+    offload_param: bool = False  # ZeRO-3 only
+
+
+@dataclass
+class TrackerConf:
+    kind: str = "wandb"  # wandb | disabled
+    mode: str = "offline"
+    project: str = "headstart"
+    name: Optional[str] = None
+
+
+@dataclass
+class TrainerConf:
+    max_steps: int = 1000  # optimizer steps
+    micro_batch_size: int = 4  # per process
+    grad_accum: int = 1
+    lr: Optional[float] = None  # null: the head's default
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
+    seed: int = 0
+    device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
+    precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    threads: Optional[int] = None  # torch CPU threads per process
+    progress: bool = True
+
+
+@dataclass
+class EvalConf:
+    every: int = 100
+    depth: int = 5  # draft steps K of the acceptance chain (Medusa: its heads)
+    max_samples: int = 16  # held-out conversations evaluated
+    batch_size: int = 4
+    at_start: bool = True  # evaluate the untrained head too (the baseline of the curves)
+
+
+@dataclass
+class CheckpointConf:
+    every: int = 200
+    keep: int = 2
+
+
+@dataclass
+class TrainConfig:
+    head: Any = MISSING
+    target: TargetConf = field(default_factory=TargetConf)
+    data: DataConf = field(default_factory=DataConf)
+    features: FeaturesConf = field(default_factory=FeaturesConf)
+    deepspeed: DeepSpeedConf = field(default_factory=DeepSpeedConf)
+    tracker: TrackerConf = field(default_factory=TrackerConf)
+    trainer: TrainerConf = field(default_factory=TrainerConf)
+    eval: EvalConf = field(default_factory=EvalConf)
+    checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
+    output_dir: str = "runs/${head.type}"
+    resume: bool = False
+
+
+def register_configs() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    store.store(group="head", name="schema_eagle", node=EagleHeadConf)
+    store.store(group="head", name="schema_eagle3", node=Eagle3HeadConf)
+    store.store(group="head", name="schema_medusa", node=MedusaHeadConf)
+    for group, node in (("target", TargetConf), ("data", DataConf), ("deepspeed", DeepSpeedConf),
+                        ("tracker", TrackerConf)):
+        store.store(group=group, name=f"schema_{group}", node=node)
+
+
+def compose_config(overrides: list[str] = ()) -> TrainConfig:
+    """Compose conf/train.yaml with overrides (tests, scripts) into the typed config object."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        config = compose(config_name=CONFIG_NAME, overrides=list(overrides))
+    return to_typed(config)
+
+
+def to_typed(config) -> TrainConfig:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(config)
+
+
+def validate(config: TrainConfig) -> None:
+    """Value checks Hydra's types cannot express; each error names the key and the fix."""
+    problems = []
+    if config.head.type not in ("eagle", "eagle3", "medusa"):
+        problems.append(f"head.type={config.head.type!r}: choose head=eagle, head=eagle3 or head=medusa")
+    if config.features.mode not in ("online", "offline"):
+        problems.append(f"features.mode={config.features.mode!r}: choose online or offline")
+    if config.deepspeed.stage not in (0, 1, 2, 3):
+        problems.append(f"deepspeed.stage={config.deepspeed.stage}: choose 0, 1, 2 or 3")
+    if config.deepspeed.offload_param and config.deepspeed.stage != 3:
+        problems.append("deepspeed.offload_param needs deepspeed=zero3")
+    if config.tracker.kind not in ("wandb", "disabled"):
+        problems.append(f"tracker.kind={config.tracker.kind!r}: choose tracker=wandb or tracker=disabled")
+    if config.trainer.max_steps < 1 or config.trainer.micro_batch_size < 1 or config.trainer.grad_accum < 1:
+        problems.append("trainer.max_steps, trainer.micro_batch_size and trainer.grad_accum must be >= 1")
+    if config.eval.depth < 1:
+        problems.append("eval.depth must be >= 1")
+    lora = getattr(config.head, "lora", None)
+    if lora is not None and lora.enabled and config.features.mode != "online":
+        problems.append("head.lora.enabled (Medusa-2) trains the target itself: it needs features.mode=online")
+    if problems:
+        raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))

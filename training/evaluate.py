@@ -1,0 +1,127 @@
+"""Acceptance evaluation on the held-out split: acc@1..K of a greedy drafting chain and its expected length.
+
+For every position t of a held-out conversation the target's own greedy continuation g_1..g_D from the prefix
+x_0..x_t is computed once, all positions at a time: pass j feeds g_j of every position, each attending to its
+prefix and its own branch (the chain mask); the branches do not depend on the head, so they are computed once per
+run (Medusa-2 changes the target: then once per evaluation).
+Draft step k of EAGLE at row t starts from the context x_0..x_{t+1} (features up to t): its top-1 must equal the
+target's g_k from prefix t+1; a step counts only while every earlier step was accepted. Medusa head i at hidden t
+must equal g_{i+1} from prefix t (g_1 is the target's bonus token). Rows count where the context ends inside an
+assistant reply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from training.features import target_features
+from training.masks import ChainCache, chain_attention_mask
+from training.metrics import acceptance_counts
+
+
+@torch.no_grad()
+def greedy_branches(target, input_ids: torch.Tensor, depth: int) -> torch.Tensor:
+    """input_ids [B, T] -> [B, T, depth]: out[b, t, j] = target's greedy token j+1 steps after prefix x_0..x_t."""
+    batch_size, length = input_ids.shape
+    cache = target.new_cache(batch_size, length * depth)
+    positions = torch.arange(length, device=input_ids.device)[None].expand(batch_size, -1)
+    output = target.forward(input_ids, positions, cache, None)
+    cache.commit(length)
+    branches = [output.logits.argmax(-1)]
+    for step in range(1, depth):
+        mask = chain_attention_mask(length, step, input_ids.device).expand(batch_size, -1, -1, -1)
+        output = target.forward(branches[-1], positions + step, cache, mask)
+        cache.commit(length)
+        branches.append(output.logits.argmax(-1))
+    return torch.stack(branches, dim=-1)
+
+
+def eval_depth(head_conf, eval_conf) -> int:
+    return head_conf.num_heads if head_conf.type == "medusa" else eval_conf.depth
+
+
+@torch.no_grad()
+def prepare_batch(target, batch: dict, head_conf, eval_conf, feature_layers: list[int],
+                  teacher_context=contextlib.nullcontext) -> dict:
+    """Target features and greedy branches of one held-out batch (kept on the target's device).
+
+    ``teacher_context`` wraps the feature pass (Medusa-2: the base target with its adapters disabled is the teacher,
+    while the branches come from the target being trained)."""
+    ids = batch["input_ids"].to(target.device)
+    prepared = {"input_ids": ids, "assistant_mask": batch["assistant_mask"].to(target.device)}
+    with teacher_context():
+        prepared.update(target_features(target, ids, feature_layers))
+    extra = 1 if head_conf.type == "medusa" else 0  # Medusa's first head drafts the token after the bonus
+    prepared["branches"] = greedy_branches(target, ids, eval_depth(head_conf, eval_conf) + extra)
+    return prepared
+
+
+@torch.no_grad()
+def eagle_matches(head, batch: dict, depth: int) -> torch.Tensor:
+    """Draft chain of an EAGLE head -> matches [N, depth] over the rows that count."""
+    ids = batch["input_ids"]
+    features = batch["layer_hidden"] if head.kind == "eagle3" else batch["hidden"]
+    batch_size, length = ids.shape
+    steps = length - 1
+    branches = batch["branches"][:, 1:]  # row t drafts after prefix t+1
+    rows, cols = batch["assistant_mask"][:, 1:].nonzero(as_tuple=True)
+    to_target = head.draft_to_target
+    cache = ChainCache()
+    hidden = features[:, :-1]
+    matches = []
+    for step in range(depth):
+        tokens = ids[:, 1:] if step == 0 else branches[..., step - 1]
+        positions = (torch.arange(steps, device=ids.device) + step)[None].expand(batch_size, -1)
+        hidden = head.hidden_states(tokens, hidden, positions, chain_attention_mask(steps, step, ids.device), cache)
+        top = head.logits(hidden[rows, cols]).argmax(-1)
+        if to_target is not None:
+            top = to_target[top]
+        matches.append(top == branches[rows, cols, step])
+    return torch.stack(matches, dim=-1)
+
+
+@torch.no_grad()
+def medusa_matches(heads, batch: dict, hidden: torch.Tensor) -> torch.Tensor:
+    rows, cols = batch["assistant_mask"].nonzero(as_tuple=True)
+    selected = hidden[rows, cols]
+    tops = [heads.head_logits(i, selected).argmax(-1) for i in range(heads.num_heads)]
+    return torch.stack([top == batch["branches"][rows, cols, i + 1] for i, top in enumerate(tops)], dim=-1)
+
+
+@torch.no_grad()
+def evaluate(objective, prepared_batches: list[dict], depth: int, rank: int, world: int,
+             all_reduce=lambda tensor: tensor) -> dict:
+    """Acceptance over this rank's share of the held-out batches, summed over ranks.
+
+    Every rank makes the same number of head calls (ZeRO-3 gathers parameters inside them): ranks with fewer
+    batches repeat one and do not count it.
+    """
+    was_training = objective.training
+    objective.eval()
+    head = objective.head
+    per_rank = max(1, -(-len(prepared_batches) // world))
+    device = prepared_batches[0]["input_ids"].device
+    reached = torch.zeros(depth + 1, dtype=torch.float64, device=device)
+    loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of losses, batches)
+    for slot in range(per_rank):
+        index = rank + slot * world
+        counted = index < len(prepared_batches)
+        batch = prepared_batches[index if counted else 0]
+        if objective.kind == "medusa":
+            if objective.lora_target is not None:
+                hidden = objective.lora_target.get_decoder()(input_ids=batch["input_ids"],
+                                                              use_cache=False).last_hidden_state
+            else:
+                hidden = batch["hidden"]
+            matches = medusa_matches(head, batch, hidden)
+        else:
+            matches = eagle_matches(head, batch, depth)
+        loss, _ = objective(batch)
+        if counted:
+            reached += acceptance_counts(matches)[0].double()
+            loss_sum += torch.tensor([float(loss), 1.0], dtype=torch.float64, device=device)
+    totals = all_reduce(torch.cat((reached, loss_sum)))
+    objective.train(was_training)
+    return {"reached": totals[: depth + 1].cpu(), "val_loss": float(totals[-2] / totals[-1].clamp_min(1))}

@@ -1,0 +1,142 @@
+"""Target features for head training: online (a frozen target forward inside the step) or offline (dumped once).
+
+A feature batch adds to a token batch:
+  hidden [B, T, H]: the target's last hidden state after the final norm (its logits are lm_head(hidden));
+  layer_hidden [B, T, 3H]: EAGLE-3's fused inputs (hidden_states[i] for the feature layers), when asked for;
+  topk_logprobs / topk_ids [B, T, k]: offline stores with ``topk > 0`` keep the target's top-k instead of letting
+  the loss recompute exact logits from ``hidden``.
+The offline store is sharded safetensors, one shard per ``SHARD_SIZE`` training samples, written atomically and
+skipped when present (extraction resumes after a kill); a manifest marks the store complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from runtime.target import parse_dtype
+
+SHARD_SIZE = 64
+MANIFEST = "manifest.json"
+
+
+@torch.no_grad()
+def target_features(target, input_ids: torch.Tensor, feature_layers: list[int] = (),
+                    topk: int = 0) -> dict[str, torch.Tensor]:
+    """One frozen target forward over right-padded ids [B, T] (causal; padding never reaches real rows)."""
+    outputs = target.decoder(input_ids=input_ids, use_cache=False, output_hidden_states=bool(feature_layers))
+    features = {"hidden": outputs.last_hidden_state}
+    if feature_layers:
+        features["layer_hidden"] = torch.cat([outputs.hidden_states[i] for i in feature_layers], dim=-1)
+    if topk:
+        logprobs = F.log_softmax(target.logits(outputs.last_hidden_state).float(), dim=-1)
+        values, ids = logprobs.topk(topk, dim=-1)
+        features["topk_logprobs"], features["topk_ids"] = values, ids
+    return features
+
+
+def store_key(target_identity: str, tokenizer_fp: str | None, data_key: str, feature_layers: list[int], topk: int,
+              dtype: str, max_length: int) -> str:
+    parts = [target_identity, tokenizer_fp, data_key, list(feature_layers), topk, dtype, max_length]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def _shard_path(directory: Path, shard: int) -> Path:
+    return directory / f"shard-{shard:05d}.safetensors"
+
+
+def extract_offline(target, dataset, directory: Path, feature_layers: list[int], topk: int, dtype: str,
+                    batch_size: int, pad_id: int, rank: int = 0, world: int = 1, progress: bool = True) -> None:
+    """Dump features of every sample of ``dataset`` (rank r writes shards r, r+world, ...). Resumable."""
+    directory.mkdir(parents=True, exist_ok=True)
+    storage_dtype = parse_dtype(dtype)
+    num_shards = (len(dataset) + SHARD_SIZE - 1) // SHARD_SIZE
+    mine = [s for s in range(rank, num_shards, world) if not _shard_path(directory, s).is_file()]
+    total = sum(min(SHARD_SIZE, len(dataset) - s * SHARD_SIZE) for s in mine)
+    bar = tqdm(total=total, desc="extracting target features", unit="seq", disable=not progress or rank != 0)
+    for shard in mine:
+        tensors = {}
+        indices = list(range(shard * SHARD_SIZE, min((shard + 1) * SHARD_SIZE, len(dataset))))
+        for start in range(0, len(indices), batch_size):
+            chunk = indices[start: start + batch_size]
+            samples = [dataset[i] for i in chunk]
+            length = max(len(s["input_ids"]) for s in samples)
+            ids = torch.full((len(chunk), length), pad_id, dtype=torch.long)
+            for row, sample in enumerate(samples):
+                ids[row, : len(sample["input_ids"])] = torch.tensor(sample["input_ids"])
+            features = target_features(target, ids.to(target.device), feature_layers, topk)
+            for row, (index, sample) in enumerate(zip(chunk, samples)):
+                n = len(sample["input_ids"])
+                for name, value in features.items():
+                    value = value[row, :n].cpu()
+                    if value.is_floating_point() and name != "topk_logprobs":
+                        value = value.to(storage_dtype)
+                    if name == "topk_ids":
+                        value = value.to(torch.int32)
+                    tensors[f"{index}.{name}"] = value.contiguous()
+            bar.update(len(chunk))
+        path = _shard_path(directory, shard)
+        partial = path.with_name(path.name + f".partial-{rank}")
+        save_file(tensors, str(partial))
+        os.replace(partial, path)  # a shard is either complete or absent
+    bar.close()
+
+
+def write_manifest(directory: Path, num_samples: int, description: dict) -> None:
+    num_shards = (num_samples + SHARD_SIZE - 1) // SHARD_SIZE
+    missing = [s for s in range(num_shards) if not _shard_path(directory, s).is_file()]
+    if missing:
+        raise RuntimeError(f"offline feature store {directory} is missing shards {missing[:5]}...; rerun extraction")
+    partial = directory / (MANIFEST + ".partial")
+    partial.write_text(json.dumps({"num_samples": num_samples, "shard_size": SHARD_SIZE, **description}, indent=2))
+    os.replace(partial, directory / MANIFEST)
+
+
+def store_complete(directory: Path) -> bool:
+    return (directory / MANIFEST).is_file()
+
+
+class OfflineFeatures:
+    """Reads one sample's features from the store and pads a micro-batch of them like ``data.collate``."""
+
+    def __init__(self, directory: Path, num_samples: int):
+        manifest = json.loads((directory / MANIFEST).read_text())
+        if manifest["num_samples"] != num_samples:
+            raise RuntimeError(f"offline store {directory} holds {manifest['num_samples']} samples, the training "
+                               f"split has {num_samples}; delete the store or point features.dir elsewhere")
+        self.directory = directory
+        self.shard_size = manifest["shard_size"]
+        self._handles: dict[int, object] = {}
+
+    def _handle(self, shard: int):
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(str(_shard_path(self.directory, shard)), framework="pt")
+        return self._handles[shard]
+
+    def sample(self, index: int) -> dict[str, torch.Tensor]:
+        handle = self._handle(index // self.shard_size)
+        prefix = f"{index}."
+        return {key[len(prefix):]: handle.get_tensor(key) for key in handle.keys() if key.startswith(prefix)}
+
+    def batch(self, indices: list[int], length: int, device, dtype) -> dict[str, torch.Tensor]:
+        samples = [self.sample(i) for i in indices]
+        out = {}
+        for name in samples[0]:
+            first = samples[0][name]
+            padded = torch.zeros((len(indices), length, *first.shape[1:]), dtype=first.dtype)
+            for row, sample in enumerate(samples):
+                padded[row, : sample[name].shape[0]] = sample[name]
+            if name == "topk_ids":
+                padded = padded.long()
+            elif padded.is_floating_point() and name != "topk_logprobs":
+                padded = padded.to(dtype)
+            out[name] = padded.to(device)
+        return out

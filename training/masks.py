@@ -1,0 +1,57 @@
+"""Attention masks and shifts for drafting chains (EAGLE-3 training-time test, acceptance evaluation).
+
+A chain of ``steps`` extra draft steps over a sequence of T rows keeps its keys as (steps + 1) blocks of T columns:
+block 0 holds the keys of the real context (step 0), block j the keys written at draft step j. Row t at step k sees
+block 0 up to column t (the context up to t) and, in blocks 1..k, only column t (its own earlier draft steps).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def chain_attention_mask(seq_len: int, step: int, device=None) -> torch.Tensor:
+    """Mask for draft step ``step`` (0 = the plain causal pass): bool [1, 1, T, (step + 1) * T], True = attend."""
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    diagonal = torch.eye(seq_len, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [diagonal] * step, dim=1)[None, None]
+
+
+def shift_left(values: torch.Tensor, shift: int, fill=0) -> torch.Tensor:
+    """values [B, T, ...] -> [B, T, ...] with out[:, t] = values[:, t + shift] and ``fill`` past the end."""
+    if shift == 0:
+        return values
+    out = torch.full_like(values, fill)
+    if shift < values.shape[1]:
+        out[:, : values.shape[1] - shift] = values[:, shift:]
+    return out
+
+
+def next_token_mask(assistant_mask: torch.Tensor) -> torch.Tensor:
+    """Positions whose *next* token is an assistant token: [B, T] -> [B, T] bool (last column False).
+
+    Position j carries the target's distribution p_j over token j+1; a loss against p_j counts only here.
+    """
+    return shift_left(assistant_mask.bool(), 1, False)
+
+
+class ChainCache:
+    """Keys/values of every draft step, concatenated along the sequence (keeps autograd through earlier steps).
+
+    Implements the ``update(key, value, layer_idx)`` contract the heads' attention calls.
+    """
+
+    def __init__(self):
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx in self.keys:
+            self.keys[layer_idx] = torch.cat((self.keys[layer_idx], key_states), dim=2)
+            self.values[layer_idx] = torch.cat((self.values[layer_idx], value_states), dim=2)
+        else:
+            self.keys[layer_idx], self.values[layer_idx] = key_states, value_states
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if layer_idx not in self.keys else self.keys[layer_idx].shape[2]

@@ -1,0 +1,174 @@
+"""The training objectives of the three head types, as one module the DeepSpeed engine wraps.
+
+``HeadObjective(batch) -> (loss, stats)``. The batch holds tokens (input_ids, assistant_mask [B, T]) and target
+features (see training/features.py). Indexing convention: the target's distribution at position j, p_j, is over
+token j+1, and counts only where token j+1 is an assistant token (``next_token_mask``).
+  EAGLE-1 row t: (token t+1, feature t) -> feature t+1 and p_{t+1};
+  EAGLE-3 step k row t: (token t+k+1, own hidden) -> p_{t+k+1}, restricted to the draft vocabulary;
+  Medusa head i at row t: hidden t -> p_{t+1+i}.
+Every rank runs the same sequence of module calls whatever its data (ZeRO-3 gathers parameters inside them), so no
+branch here depends on the batch contents.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from training.draft_vocab import target_to_draft_ids
+from training.losses import (decay_weights, feature_regression_loss, soft_cross_entropy, sparse_soft_cross_entropy,
+                             uniform_noise)
+from training.masks import ChainCache, chain_attention_mask, next_token_mask, shift_left
+
+
+class TargetDistribution:
+    """The target's next-token distribution at chosen positions, from features (exact logits or stored top-k)."""
+
+    def __init__(self, batch: dict, lm_head_weight: torch.Tensor, softcap: float | None):
+        self.batch = batch
+        self.lm_head_weight = lm_head_weight
+        self.softcap = softcap
+
+    @property
+    def sparse(self) -> bool:
+        return "topk_ids" in self.batch
+
+    def logits(self, rows: torch.Tensor, cols: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.batch["hidden"] if hidden is None else hidden
+        logits = F.linear(hidden[rows, cols].float(), self.lm_head_weight.float())
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def greedy(self, rows, cols, dense_logits: torch.Tensor | None = None) -> torch.Tensor:
+        if self.sparse:
+            return self.batch["topk_ids"][rows, cols, 0]
+        return dense_logits.argmax(-1)
+
+    def cross_entropy(self, draft_logits: torch.Tensor, rows, cols, dense_logits: torch.Tensor | None = None,
+                      target_to_draft: torch.Tensor | None = None) -> torch.Tensor:
+        """Soft CE [N] of draft logits [N, V'] against p at (rows, cols); restricted to the draft vocabulary when
+        ``target_to_draft`` [V] is given (dense: renormalised over the draft ids; sparse: top-k ids mapped)."""
+        if self.sparse:
+            logprobs = self.batch["topk_logprobs"][rows, cols]
+            ids = self.batch["topk_ids"][rows, cols]
+            if target_to_draft is not None:
+                ids = target_to_draft[ids]
+                logprobs = logprobs.masked_fill(ids < 0, float("-inf"))
+            return sparse_soft_cross_entropy(draft_logits, logprobs, ids)
+        if target_to_draft is not None:
+            dense_logits = dense_logits[:, target_to_draft >= 0]  # draft ids are ordered by target id
+        return soft_cross_entropy(draft_logits, F.log_softmax(dense_logits, dim=-1))
+
+
+def _mean(values: torch.Tensor) -> torch.Tensor:
+    return values.sum() / max(values.shape[0], 1)
+
+
+class HeadObjective(nn.Module):
+    def __init__(self, head: nn.Module, head_conf, target_lm_head_weight: torch.Tensor, softcap: float | None,
+                 lora_target: nn.Module | None = None, pad_id: int = 0):
+        super().__init__()
+        self.head = head
+        self.conf = head_conf
+        self.kind = head_conf.type
+        self.softcap = softcap
+        self.pad_id = pad_id
+        self.register_buffer("target_lm_head_weight", target_lm_head_weight.detach(), persistent=False)
+        self.lora_target = lora_target  # Medusa-2: a peft-wrapped target whose adapters train
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        if self.kind == "eagle":
+            return self.eagle_loss(batch)
+        if self.kind == "eagle3":
+            return self.eagle3_loss(batch)
+        return self.medusa_loss(batch)
+
+    # ----- EAGLE-1/2
+    def eagle_loss(self, batch):
+        conf = self.conf
+        ids, features = batch["input_ids"], batch["hidden"]
+        batch_size, length = ids.shape
+        inputs = features[:, :-1]
+        if self.training and conf.noise_std > 0:
+            inputs = inputs + uniform_noise(inputs.shape, conf.noise_std, int(batch["noise_seed"]), inputs.device,
+                                            inputs.dtype)
+        positions = torch.arange(length - 1, device=ids.device)[None].expand(batch_size, -1)
+        hidden = self.head.hidden_states(ids[:, 1:], inputs, positions)
+        rows, cols = next_token_mask(batch["assistant_mask"])[:, 1:].nonzero(as_tuple=True)
+        predicted = hidden[rows, cols]
+        feature_loss = _mean(feature_regression_loss(predicted, features[rows, cols + 1]))
+        target = TargetDistribution(batch, self.target_lm_head_weight, self.softcap)
+        target_logits = None if target.sparse else target.logits(rows, cols + 1)
+        logits = self.head.logits(predicted)
+        ce = _mean(target.cross_entropy(logits, rows, cols + 1, target_logits))
+        loss = conf.feature_weight * feature_loss + conf.ce_weight * ce
+        agree = logits.argmax(-1) == target.greedy(rows, cols + 1, target_logits)
+        return loss, {"loss": loss.detach(), "feature_loss": feature_loss.detach(), "ce": ce.detach(),
+                      "acc": agree.float().sum() / max(agree.numel(), 1), "tokens": torch.tensor(float(rows.numel()))}
+
+    # ----- EAGLE-3 training-time test
+    def eagle3_loss(self, batch):
+        conf = self.conf
+        ids = batch["input_ids"]
+        batch_size, length = ids.shape
+        target = TargetDistribution(batch, self.target_lm_head_weight, self.softcap)
+        to_draft = target_to_draft_ids(self.head.d2t, self.head.t2d.shape[0])
+        predict = next_token_mask(batch["assistant_mask"])
+        cache = ChainCache()
+        hidden = batch["layer_hidden"]
+        loss = 0.0
+        stats = {}
+        for step, weight in enumerate(decay_weights(conf.ttt_steps, conf.loss_decay)):
+            positions = (torch.arange(length, device=ids.device) + step)[None].expand(batch_size, -1)
+            mask = chain_attention_mask(length, step, ids.device)
+            hidden = self.head.hidden_states(shift_left(ids, step + 1, self.pad_id), hidden, positions, mask, cache)
+            rows, cols = shift_left(predict, step + 1, False).nonzero(as_tuple=True)
+            target_cols = cols + step + 1
+            target_logits = None if target.sparse else target.logits(rows, target_cols)
+            greedy = target.greedy(rows, target_cols, target_logits)
+            in_vocab = self.head.t2d[greedy]  # positions whose target token the draft vocabulary cannot express
+            logits = self.head.logits(hidden[rows, cols])
+            ce = target.cross_entropy(logits, rows, target_cols, target_logits, to_draft)
+            step_loss = (ce * in_vocab).sum() / max(int(in_vocab.sum()), 1)
+            loss = loss + weight * step_loss
+            agree = (logits.argmax(-1) == to_draft[greedy]) & in_vocab
+            stats[f"ce_{step}"] = step_loss.detach()
+            if step == 0:
+                stats["acc"] = agree.float().sum() / max(agree.numel(), 1)
+                stats["tokens"] = torch.tensor(float(rows.numel()))
+        stats["loss"] = loss.detach()
+        return loss, stats
+
+    # ----- Medusa (and Medusa-2)
+    def medusa_loss(self, batch):
+        conf = self.conf
+        ids = batch["input_ids"]
+        predict = next_token_mask(batch["assistant_mask"])
+        teacher = TargetDistribution(batch, self.target_lm_head_weight, self.softcap)
+        if self.lora_target is not None:
+            hidden = self.lora_target.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        else:
+            hidden = batch["hidden"]
+        loss = 0.0
+        stats = {}
+        for index, weight in enumerate(decay_weights(self.head.num_heads, conf.loss_decay)):
+            rows, cols = shift_left(predict, 1 + index, False).nonzero(as_tuple=True)
+            target_logits = None if teacher.sparse else teacher.logits(rows, cols + 1 + index)
+            logits = self.head.head_logits(index, hidden[rows, cols])
+            head_loss = _mean(teacher.cross_entropy(logits, rows, cols + 1 + index, target_logits))
+            loss = loss + weight * head_loss
+            stats[f"ce_{index}"] = head_loss.detach()
+            if index == 0:
+                agree = logits.argmax(-1) == teacher.greedy(rows, cols + 1 + index, target_logits)
+                stats["acc"] = agree.float().sum() / max(agree.numel(), 1)
+                stats["tokens"] = torch.tensor(float(rows.numel()))
+        if self.lora_target is not None:  # Medusa-2 keeps the target's own next-token loss
+            rows, cols = predict.nonzero(as_tuple=True)
+            logits = self.lora_target.get_output_embeddings()(hidden[rows, cols])
+            lm_loss = _mean(F.cross_entropy(logits.float(), ids[rows, cols + 1], reduction="none"))
+            loss = loss + conf.lora.lm_loss_weight * lm_loss
+            stats["lm_loss"] = lm_loss.detach()
+        stats["loss"] = loss.detach()
+        return loss, stats

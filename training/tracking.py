@@ -1,0 +1,98 @@
+"""Experiment tracking: W&B (offline by default, files in the run directory) plus curves.csv and curves.png.
+
+Only the main process tracks. The acceptance history is the list of evaluations, each
+{"step", "tau", "val_loss", "acc": [acc@1..K]}; it travels in the checkpoint so a resumed run keeps its curves.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+
+def write_curves(history: list[dict], run_dir: Path) -> tuple[Path, Path]:
+    """Write curves.csv (one row per evaluation) and curves.png (acceptance per draft step; tau over steps)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    depth = max(len(entry["acc"]) for entry in history)
+    csv_path, png_path = run_dir / "curves.csv", run_dir / "curves.png"
+    partial = csv_path.with_name(csv_path.name + ".partial")
+    with open(partial, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["step", "tau", "val_loss"] + [f"acc@{k}" for k in range(1, depth + 1)])
+        for entry in history:
+            writer.writerow([entry["step"], f"{entry['tau']:.4f}", f"{entry['val_loss']:.5f}"]
+                            + [f"{value:.4f}" for value in entry["acc"]])
+    os.replace(partial, csv_path)
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    colors = plt.cm.viridis([i / max(len(history) - 1, 1) for i in range(len(history))])
+    for entry, color in zip(history, colors):
+        left.plot(range(1, len(entry["acc"]) + 1), entry["acc"], marker="o", color=color,
+                  label=f"step {entry['step']}")
+    left.set(xlabel="draft step k", ylabel="acc@k (given the accepted prefix)", ylim=(0, 1),
+             title="acceptance per draft step")
+    left.legend(fontsize=7, loc="upper right")
+    right.plot([e["step"] for e in history], [e["tau"] for e in history], marker="o")
+    right.set(xlabel="training step", ylabel="expected accepted length tau", title="tau (greedy chain)")
+    figure.tight_layout()
+    partial_png = png_path.with_name("curves.partial.png")
+    figure.savefig(partial_png, dpi=100)
+    plt.close(figure)
+    os.replace(partial_png, png_path)
+    return csv_path, png_path
+
+
+class Tracker:
+    def __init__(self, conf, run_dir: Path, config: dict, enabled: bool, run_id: str | None = None):
+        self.run_dir = run_dir
+        self.enabled = enabled
+        self.run = None
+        if not enabled or conf.kind == "disabled":
+            return
+        wandb_dir = run_dir / "wandb"
+        for name, sub in (("WANDB_CACHE_DIR", "cache"), ("WANDB_CONFIG_DIR", "config"), ("WANDB_DATA_DIR", "data"),
+                          ("WANDB_ARTIFACT_DIR", "artifacts")):
+            (wandb_dir / sub).mkdir(parents=True, exist_ok=True)
+            os.environ[name] = str(wandb_dir / sub)
+        os.environ["WANDB_DIR"] = str(run_dir)
+        os.environ["WANDB_MODE"] = conf.mode
+        os.environ.setdefault("WANDB_SILENT", "true")
+        import wandb
+
+        self.run = wandb.init(project=conf.project, name=conf.name, dir=str(run_dir), config=config,
+                              mode=conf.mode, id=run_id, resume="allow")
+
+    @property
+    def run_id(self) -> str | None:
+        return None if self.run is None else self.run.id
+
+    def log(self, metrics: dict, step: int) -> None:
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def log_evaluation(self, history: list[dict], step: int) -> None:
+        if not self.enabled:
+            return
+        _, png_path = write_curves(history, self.run_dir)
+        if self.run is None:
+            return
+        import wandb
+
+        latest = history[-1]
+        metrics = {f"eval/acc@{k}": value for k, value in enumerate(latest["acc"], 1)}
+        metrics.update({"eval/tau": latest["tau"], "eval/val_loss": latest["val_loss"],
+                        "eval/acceptance_curve": wandb.Image(str(png_path))})
+        table = wandb.Table(columns=["draft_step", "acc"], data=[[k, v] for k, v in enumerate(latest["acc"], 1)])
+        metrics["eval/acceptance_table"] = wandb.plot.line(table, "draft_step", "acc",
+                                                           title=f"acceptance per draft step (step {step})")
+        self.run.log(metrics, step=step)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
