@@ -76,6 +76,26 @@ def to_device(batch: dict, device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
+def rank_digests(module: torch.nn.Module, dist: ds.Dist) -> list[str]:
+    """A hash of the trainable parameters as every rank holds them (ZeRO-3: gathered), in rank order."""
+    import hashlib
+
+    import torch.distributed as torch_dist
+
+    digest = hashlib.sha256()
+    with ds.full_parameters(module):
+        for name, parameter in module.named_parameters():
+            if parameter.requires_grad:
+                digest.update(name.encode())
+                digest.update(parameter.detach().float().cpu().numpy().tobytes())
+    mine = digest.hexdigest()[:16]
+    if dist.world == 1:
+        return [mine]
+    gathered: list = [None] * dist.world
+    torch_dist.all_gather_object(gathered, mine)
+    return gathered
+
+
 def run(conf: TrainConfig) -> dict:
     validate(conf)
     dist = ds.setup_distributed(conf.trainer.device, conf.trainer.threads)
@@ -228,10 +248,12 @@ def run(conf: TrainConfig) -> dict:
     bar.close()
     if start_step >= conf.trainer.max_steps and not (run_dir / "head").is_dir():
         save(start_step)
+    digests = rank_digests(engine.module, dist)
     steady = step_rates[2:] or step_rates
     summary = {"head": conf.head.type, "features": conf.features.mode, "steps": conf.trainer.max_steps,
                "world_size": dist.world, "tokens_per_s_median": statistics.median(steady) if steady else None,
-               "final_eval": history[-1] if history else None, "head_dir": str(run_dir / "head")}
+               "final_eval": history[-1] if history else None, "head_dir": str(run_dir / "head"),
+               "rank_digests": digests}
     if dist.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         tracker.finish()

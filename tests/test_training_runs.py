@@ -1,0 +1,178 @@
+"""Short training runs on a tiny trained target: every head learns, features, checkpoints, resume, DeepSpeed ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.tiny_training import build_tiny_target, tiny_overrides, write_conversations
+from training.config import compose_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    base = tmp_path_factory.mktemp("tiny")
+    target = build_tiny_target(base / "target")
+    data = write_conversations(base / "data.jsonl", 120)
+    return target, data
+
+
+def run_config(tiny, output_dir, head, steps, extra=()):
+    from training.run import run
+
+    target, data = tiny
+    return run(compose_config(tiny_overrides(target, data, output_dir, head, steps, list(extra))))
+
+
+def head_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "head" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("head", ["eagle", "eagle3", "medusa"])
+def test_short_run_lowers_loss_and_raises_acceptance(tiny, tmp_path, head):
+    lr = {"eagle": "3e-3", "eagle3": "3e-3", "medusa": "1e-2"}[head]
+    summary = run_config(tiny, tmp_path / "run", head, 24, [f"trainer.lr={lr}", "eval.every=24"])
+    history = json.loads((tmp_path / "run" / "summary.json").read_text())["final_eval"]
+    assert history == summary["final_eval"]
+    curves = (tmp_path / "run" / "curves.csv").read_text().splitlines()
+    assert curves[0].startswith("step,tau,val_loss,acc@1")
+    first, last = [line.split(",") for line in (curves[1], curves[-1])]
+    assert int(first[0]) == 0 and int(last[0]) == 24
+    assert float(last[2]) < float(first[2]), "held-out loss did not fall"
+    assert float(last[3]) > float(first[3]), "acc@1 did not rise over the untrained head"
+    assert (tmp_path / "run" / "curves.png").stat().st_size > 0
+    assert (tmp_path / "run" / "head" / "config.json").is_file()
+
+
+def test_offline_features_match_online(tiny, tmp_path):
+    from training.data import collate, load_splits
+    from training.features import OfflineFeatures, extract_offline, target_features, write_manifest
+    from runtime.target import load_target
+
+    target_dir, data = tiny
+    conf = compose_config(tiny_overrides(target_dir, data, tmp_path / "run", "eagle3"))
+    target = load_target(str(target_dir))
+    split = load_splits(conf.data, target.tokenizer, True)["train"]
+    store = tmp_path / "store"
+    extract_offline(target, split, store, [0, 1, 1], 4, "float32", 8, 1, progress=False)
+    write_manifest(store, len(split), {})
+    offline = OfflineFeatures(store, len(split))
+    indices = [3, 70, 0]
+    batch = collate([split[i] for i in indices], 1)
+    online = target_features(target, batch["input_ids"], [0, 1, 1], 4)
+    stored = offline.batch(indices, batch["input_ids"].shape[1], "cpu", torch.float32)
+    for name in ("hidden", "layer_hidden", "topk_logprobs"):
+        real = batch["assistant_mask"] | (torch.arange(batch["input_ids"].shape[1]) < batch["lengths"][:, None])
+        torch.testing.assert_close(stored[name][real], online[name][real], atol=1e-5, rtol=1e-5)
+    assert torch.equal(stored["topk_ids"][:, :5], online["topk_ids"][:, :5])
+
+
+def test_offline_run_trains(tiny, tmp_path):
+    summary = run_config(tiny, tmp_path / "run", "eagle", 4,
+                         ["features.mode=offline", f"features.dir={tmp_path / 'store'}", "eval.at_start=false"])
+    assert summary["features"] == "offline" and summary["final_eval"]["step"] == 4
+    assert (tmp_path / "store" / "manifest.json").is_file()
+
+
+def test_medusa2_lora_keeps_base_weights_and_merges(tiny, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    target_dir, _ = tiny
+    base_before = {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(target_dir).state_dict().items()}
+    run_config(tiny, tmp_path / "run", "medusa", 6, ["head.lora.enabled=true", "trainer.lr=1e-2",
+                                                      "eval.at_start=false"])
+    adapter = tmp_path / "run" / "head" / "target_lora"
+    assert (adapter / "adapter_model.safetensors").is_file()
+    lora_weights = load_file(str(adapter / "adapter_model.safetensors"))
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in lora_weights.items()), "adapters did not train"
+    base = AutoModelForCausalLM.from_pretrained(target_dir)
+    for name, value in base.state_dict().items():  # the target on disk (the base weights) is unchanged
+        assert torch.equal(value, base_before[name]), name
+    with_adapter = PeftModel.from_pretrained(base, str(adapter)).eval()
+    ids = torch.randint(4, 40, (2, 12))
+    expected = with_adapter(input_ids=ids).logits
+    merged = with_adapter.merge_and_unload()
+    torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
+    from runtime.target import target_from_model
+
+    wrapped = target_from_model(merged)
+    positions = torch.arange(12)[None].expand(2, -1)
+    output = wrapped.forward(ids, positions, wrapped.new_cache(2, 16), None)
+    torch.testing.assert_close(output.logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def _train_command(tiny, output_dir, steps, extra):
+    target, data = tiny
+    return [sys.executable, str(ROOT / "training" / "train.py"),
+            *tiny_overrides(target, data, output_dir, "eagle", steps, ["eval.at_start=false", *extra])]
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        env.pop(key, None)
+    return env
+
+
+def test_resume_after_kill_continues_exactly(tiny, tmp_path):
+    extra = ["checkpoint.every=2", "trainer.lr=3e-3"]
+    reference = tmp_path / "reference"
+    subprocess.run(_train_command(tiny, reference, 8, extra), check=True, env=_env(), cwd=ROOT,
+                   capture_output=True)
+    killed = tmp_path / "killed"
+    # Slow the killed run's steps down (eval every step) so it is reliably killed mid-run, after a checkpoint.
+    process = subprocess.Popen(_train_command(tiny, killed, 8, extra + ["eval.every=1"]), env=_env(), cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = killed / "checkpoints" / "latest.json"
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None:
+        if latest.is_file() and json.loads(latest.read_text())["step"] >= 2:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    step = json.loads(latest.read_text())["step"]
+    assert 2 <= step < 8, f"kill came too late (checkpoint at step {step})"
+    # resume=true continues from the saved step (the eval cadence does not touch the weights)
+    subprocess.run(_train_command(tiny, killed, 8, extra + ["resume=true"]), check=True, env=_env(), cwd=ROOT,
+                   capture_output=True)
+    resumed, expected = head_weights(killed), head_weights(reference)
+    for name in expected:
+        torch.testing.assert_close(resumed[name], expected[name], atol=0, rtol=0, msg=name)
+
+
+def test_existing_run_needs_resume(tiny, tmp_path):
+    run_config(tiny, tmp_path / "run", "eagle", 1, ["eval.at_start=false"])
+    with pytest.raises(ValueError, match="resume=true"):
+        run_config(tiny, tmp_path / "run", "eagle", 2, ["eval.at_start=false"])
+
+
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_two_process_torchrun_matches_one_process(tiny, tmp_path, zero):
+    common = [f"deepspeed={zero}", "trainer.lr=3e-3", "trainer.micro_batch_size=2"]
+    two = tmp_path / "two"
+    command = _train_command(tiny, two, 3, common)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *command[1:]]
+    result = subprocess.run(torchrun, env=_env(), cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    one = tmp_path / "one"
+    subprocess.run(_train_command(tiny, one, 3, common + ["trainer.grad_accum=2"]), check=True, env=_env(),
+                   cwd=ROOT, capture_output=True)
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert len(set(summary["rank_digests"])) == 1, "ranks diverged"
+    expected, actual = head_weights(one), head_weights(two)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=1e-5, rtol=1e-4, msg=name)
