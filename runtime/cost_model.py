@@ -42,7 +42,7 @@ def measure_cost_curve(target: Target, context: int = 256, sizes=SIZES, repeats:
     for _ in range(repeats + 1):  # the first round warms up and is dropped
         for size in sizes:
             tree = Tree.chain(0, [1] * (size - 1), device=device)
-            mask = verification_mask(tree.ancestor_mask(), context)
+            mask = verification_mask(tree.ancestor_mask(), context) if size > 1 else None
             positions = tree.position_ids(context)[None]
             started = time.perf_counter()
             target.forward(tree.tokens[None], positions, cache, mask)

@@ -163,7 +163,8 @@ class SpeculativeDecoder:
         target, device = self.target, self.target.device
         prefix = cache.max_committed
         ancestors = tree.ancestor_mask()
-        mask = verification_mask(ancestors, prefix)
+        # A lone root sees the whole cache: no mask lets SDPA take its fastest kernel.
+        mask = verification_mask(ancestors, prefix) if tree.size > 1 else None
         positions = tree.position_ids(prefix)
         out = target.forward(tree.tokens[None], positions[None], cache, mask, hidden_layers=hidden_layers,
                              backend=self.attention, prefix_len=prefix)

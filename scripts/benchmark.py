@@ -1,0 +1,192 @@
+"""Side-by-side decoding benchmark: HF generate baselines and our proposers on the same prompts, in one process.
+
+    python scripts/benchmark.py --limit 10 --max-new-tokens 256 --output results.json
+
+Default prompts: the 80 MT-bench first turns. Methods run interleaved per prompt (machine drift hits all alike),
+batch 1, after a warm-up. Per method: tokens/s, tau (tokens emitted per target forward, bonus included), speedup
+over HF greedy, and the fraction of outputs token-identical to HF greedy. Run it with nothing else on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from runtime.decoder import SpeculativeDecoder
+from runtime.prompts import encode_prompt, read_prompts
+from runtime.proposers import build_proposer
+from runtime.target import DEFAULT_TARGET, load_target
+
+HF_METHODS = ("hf-greedy", "hf-pld")
+DEFAULT_METHODS = ("hf-greedy", "hf-pld", "none", "ngram")
+
+
+@dataclass
+class MethodStats:
+    tokens: int = 0
+    seconds: float = 0.0
+    forwards: int = 0
+    identical: int = 0
+    prompts: int = 0
+    per_prompt_tps: list[float] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)
+
+
+class ForwardCounter:
+    """Counts forward calls of an HF model (to get tau for HF's own methods)."""
+
+    def __init__(self, model):
+        self.count = 0
+        model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.count += 1
+
+
+def run_hf(model, counter, ids, method, max_new_tokens, eos):
+    extra = {"prompt_lookup_num_tokens": 10} if method == "hf-pld" else {}
+    before = counter.count
+    started = time.perf_counter()
+    out = model.generate(ids[None], max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                         pad_token_id=eos[0], **extra)
+    seconds = time.perf_counter() - started
+    return out[0, ids.numel():].tolist(), seconds, counter.count - before, []
+
+
+def run_ours(decoder, ids, max_new_tokens, temperature, seed):
+    result = decoder.generate(ids, max_new_tokens, temperature=temperature, seed=seed)
+    return result.tokens, result.seconds, result.target_forwards, result.accept_lengths
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--methods", help=f"comma-separated (default: {','.join(DEFAULT_METHODS)}, plus draft "
+                                          "when --draft-model is given)")
+    parser.add_argument("--draft-model")
+    parser.add_argument("--prompts", help="JSONL prompts (default: MT-bench first turns)")
+    parser.add_argument("--limit", type=int)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--tree-tokens", type=int, help="fix the tree size (default: from the cost curve)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default="results.json")
+    parser.add_argument("--plot", help="PNG of per-method accept-length histograms (default: beside --output)")
+    return parser.parse_args(argv)
+
+
+def markdown_table(summary: dict) -> str:
+    lines = ["| method | tokens/s | tau | speedup vs HF greedy | identical to HF greedy |",
+             "|---|---:|---:|---:|---:|"]
+    for name, row in summary.items():
+        identical = "n/a" if row["identical"] is None else f"{row['identical']:.0%}"
+        lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {row['tau']:.2f} | {row['speedup']:.2f}x | "
+                     f"{identical} |")
+    return "\n".join(lines)
+
+
+def plot_histograms(stats: dict[str, MethodStats], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = {name: s for name, s in stats.items() if s.accept_lengths}
+    if not shown:
+        return
+    fig, axes = plt.subplots(1, len(shown), figsize=(4 * len(shown), 3), squeeze=False)
+    for axis, (name, s) in zip(axes[0], shown.items()):
+        top = max(s.accept_lengths)
+        axis.hist(s.accept_lengths, bins=range(1, top + 2), align="left", rwidth=0.8)
+        axis.set_title(f"{name} (tau {statistics.mean(s.accept_lengths):.2f})")
+        axis.set_xlabel("tokens per target forward")
+        axis.set_ylabel("passes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    methods = args.methods.split(",") if args.methods else list(DEFAULT_METHODS) + (
+        ["draft"] if args.draft_model else [])
+    if "hf-greedy" not in methods:
+        methods.insert(0, "hf-greedy")  # the baseline every ratio refers to
+    prompts = read_prompts(args.prompts, args.limit)
+    target = load_target(args.target, dtype=args.dtype)
+    stock = load_target(args.target, dtype=args.dtype, attn_implementation="sdpa", quiet=True).model
+    counter = ForwardCounter(stock)
+    eos = sorted(target.eos_token_ids)
+    decoders = {}
+    for name in methods:
+        if name not in HF_METHODS:
+            proposer = build_proposer(name, target, args.draft_model)
+            decoders[name] = SpeculativeDecoder(target, proposer, tree_tokens=args.tree_tokens)
+
+    def run(name, ids, max_new_tokens):
+        if name in HF_METHODS:
+            return run_hf(stock, counter, ids, name, max_new_tokens, eos)
+        return run_ours(decoders[name], ids, max_new_tokens, args.temperature, args.seed)
+
+    encoded = [encode_prompt(target.tokenizer, p["prompt"]) for p in prompts]
+    for name in methods:  # warm-up: first-call allocations and lazy initialisation stay out of the timings
+        run(name, encoded[0], 16)
+    stats = {name: MethodStats() for name in methods}
+    records = []
+    for index, ids in enumerate(tqdm(encoded, desc="benchmark", file=sys.stderr)):
+        order = methods[index % len(methods):] + methods[: index % len(methods)]  # rotate who goes first
+        outputs = {}
+        for name in order:
+            tokens, seconds, forwards, accepts = run(name, ids, args.max_new_tokens)
+            outputs[name] = tokens
+            s = stats[name]
+            s.tokens += len(tokens)
+            s.seconds += seconds
+            s.forwards += forwards
+            s.prompts += 1
+            s.per_prompt_tps.append(len(tokens) / seconds)
+            s.accept_lengths.extend(accepts)
+        for name in methods:
+            stats[name].identical += outputs[name] == outputs["hf-greedy"]
+        records.append({"id": prompts[index]["id"], "outputs": outputs})
+
+    base = stats["hf-greedy"].tokens / stats["hf-greedy"].seconds
+    summary = {}
+    for name, s in stats.items():
+        tps = s.tokens / s.seconds
+        summary[name] = {
+            "tokens_per_s": tps,
+            "tau": s.tokens / max(s.forwards, 1) if name in HF_METHODS else
+            (statistics.mean(s.accept_lengths) if s.accept_lengths else 1.0),
+            "speedup": tps / base,
+            "identical": s.identical / s.prompts if args.temperature == 0 else None,
+            "per_prompt_tokens_per_s": {"min": min(s.per_prompt_tps), "median": statistics.median(s.per_prompt_tps),
+                                        "max": max(s.per_prompt_tps)},
+            "tokens": s.tokens, "seconds": s.seconds,
+            "tree_tokens": decoders[name].tree_tokens if name in decoders else None,
+        }
+    config = {"target": args.target, "dtype": args.dtype, "prompts": args.prompts or "mt-bench", "n_prompts":
+              len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.processor() or
+              platform.machine()}
+    output = Path(args.output)
+    output.write_text(json.dumps({"methods": summary, "config": config, "records": records}, indent=1))
+    plot_histograms(stats, Path(args.plot) if args.plot else output.with_suffix(".png"))
+    print(markdown_table(summary))
+    print(f"\n{len(prompts)} prompts, {args.max_new_tokens} new tokens, temperature {args.temperature}, "
+          f"{args.dtype}; results in {output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
