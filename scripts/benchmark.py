@@ -56,14 +56,14 @@ def run_hf(model, counter, ids, method, max_new_tokens, eos):
     extra = {"prompt_lookup_num_tokens": 10} if method == "hf-pld" else {}
     before = counter.count
     started = time.perf_counter()
-    out = model.generate(ids[None], max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+    out = model.generate(ids[None].to(model.device), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                          pad_token_id=eos[0], **extra)
     seconds = time.perf_counter() - started
     return out[0, ids.numel():].tolist(), seconds, counter.count - before, []
 
 
 def run_ours(decoder, ids, max_new_tokens, temperature, seed):
-    result = decoder.generate(ids, max_new_tokens, temperature=temperature, seed=seed)
+    result = decoder.generate(ids.to(decoder.target.device), max_new_tokens, temperature=temperature, seed=seed)
     return result.tokens, result.seconds, result.target_forwards, result.accept_lengths
 
 
@@ -79,6 +79,7 @@ def parse_args(argv=None):
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--tree-tokens", type=int, help="fix the tree size (default: from the cost curve)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="results.json")
     parser.add_argument("--plot", help="PNG of per-method accept-length histograms (default: beside --output)")
@@ -123,8 +124,9 @@ def main(argv=None) -> int:
     if "hf-greedy" not in methods:
         methods.insert(0, "hf-greedy")  # the baseline every ratio refers to
     prompts = read_prompts(args.prompts, args.limit)
-    target = load_target(args.target, dtype=args.dtype)
-    stock = load_target(args.target, dtype=args.dtype, attn_implementation="sdpa", quiet=True).model
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    stock = load_target(args.target, dtype=args.dtype, device=args.device, attn_implementation="sdpa",
+                        quiet=True).model
     counter = ForwardCounter(stock)
     eos = sorted(target.eos_token_ids)
     decoders = {}

@@ -84,3 +84,18 @@ def test_prompt_beyond_the_context_is_a_clear_error():
         decoder.generate(list(range(500)) * 1, 20)
     with pytest.raises(ValueError, match="prompt is empty"):
         decoder.generate([], 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "cascade"])
+def test_gpu_greedy_equality(dtype, backend):
+    stock = tiny_model("llama", seed=0, vocab_size=VOCAB).to("cuda", dtype)
+    reference = stock.generate(torch.tensor([PROMPTS[2]], device="cuda"), max_new_tokens=NEW_TOKENS,
+                               do_sample=False)[0, len(PROMPTS[2]):].tolist()
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB).to("cuda", dtype), identity="tiny")
+    for proposer in (None, NgramProposer(), DraftModelProposer(target, target, "tree", depth=4, top_k=3)):
+        result = SpeculativeDecoder(target, proposer, tree_tokens=8, attention=backend).generate(PROMPTS[2],
+                                                                                                 NEW_TOKENS)
+        assert result.tokens == reference

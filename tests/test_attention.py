@@ -1,0 +1,93 @@
+"""Every tree-attention backend available here gives the same result as SDPA."""
+
+import pytest
+import torch
+
+from runtime.attention import (attention_with_lse, available_backends, cascade_attention, merge_attention,
+                               reference_prefix_attention, tree_attention)
+from runtime.target import target_from_model
+from runtime.tree import Tree, verification_mask
+from tests.conftest import tiny_model
+
+
+def random_case(seed=0, batch=2, heads=6, kv_heads=2, prefix=11, nodes=7, dim=8, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, nodes, dim, generator=generator).to(dtype)
+    k = torch.randn(batch, kv_heads, prefix + nodes, dim, generator=generator).to(dtype)
+    v = torch.randn(batch, kv_heads, prefix + nodes, dim, generator=generator).to(dtype)
+    tree = Tree(torch.zeros(nodes, dtype=torch.long), torch.tensor([-1, 0, 0, 1, 1, 2, 5]))
+    mask = verification_mask(tree.ancestor_mask(), prefix).expand(batch, 1, nodes, prefix + nodes)
+    return q, k, v, mask, prefix
+
+
+@pytest.mark.parametrize("backend", available_backends(torch.device("cpu")))
+def test_backend_matches_sdpa_on_raw_tensors(backend):
+    q, k, v, mask, prefix = random_case()
+    expected = tree_attention(q, k, v, mask, 0.3, "sdpa")
+    got = tree_attention(q, k, v, mask, 0.3, backend, prefix_len=prefix)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_kernel_matches_sdpa_and_merge_is_exact():
+    q, k, v, mask, prefix = random_case(seed=1)
+    out, lse = attention_with_lse(q, k, v, mask, 0.5)
+    torch.testing.assert_close(out, tree_attention(q, k, v, mask, 0.5), atol=1e-5, rtol=1e-5)
+    # split the keys anywhere: merging the two halves by log-sum-exp gives the whole
+    a = attention_with_lse(q, k[:, :, :5], v[:, :, :5], mask[..., :5], 0.5)
+    b = attention_with_lse(q, k[:, :, 5:], v[:, :, 5:], mask[..., 5:], 0.5)
+    merged, merged_lse = merge_attention(*a, *b)
+    torch.testing.assert_close(merged, out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged_lse, lse, atol=1e-5, rtol=1e-5)
+
+
+def test_cascade_with_explicit_reference_prefix_kernel():
+    q, k, v, mask, prefix = random_case(seed=2)
+    got = cascade_attention(q, k, v, mask, 0.25, prefix, prefix_kernel=reference_prefix_attention)
+    torch.testing.assert_close(got, tree_attention(q, k, v, mask, 0.25), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", available_backends(torch.device("cpu")))
+def test_backend_gives_the_same_logits_through_the_model(backend, arch):
+    target = target_from_model(tiny_model(arch, vocab_size=64), identity="tiny")
+    prompt = torch.arange(3, 20)[None]
+    tree = Tree(torch.tensor([7, 8, 9, 10, 11]), torch.tensor([-1, 0, 0, 1, 3]))
+    results = {}
+    for name in ("sdpa", backend):
+        cache = target.new_cache(1, 64)
+        target.forward(prompt, torch.arange(prompt.shape[1])[None], cache, None)
+        cache.commit(prompt.shape[1])
+        mask = verification_mask(tree.ancestor_mask(), prompt.shape[1])
+        results[name] = target.forward(tree.tokens[None], tree.position_ids(prompt.shape[1])[None], cache, mask,
+                                       backend=name, prefix_len=prompt.shape[1]).logits
+    torch.testing.assert_close(results[backend], results["sdpa"], atol=1e-5, rtol=1e-5)
+
+
+def test_tree_pass_reproduces_per_path_logits():
+    """The logits at each tree node equal a plain causal pass over that node's root path."""
+    model = tiny_model("llama", vocab_size=64)
+    target = target_from_model(model, identity="tiny")
+    prompt = torch.arange(3, 15)
+    tree = Tree(torch.tensor([7, 8, 9, 10, 11, 12]), torch.tensor([-1, 0, 0, 1, 3, 2]))
+    cache = target.new_cache(1, 64)
+    target.forward(prompt[None], torch.arange(12)[None], cache, None)
+    cache.commit(12)
+    logits = target.forward(tree.tokens[None], tree.position_ids(12)[None], cache,
+                            verification_mask(tree.ancestor_mask(), 12)).logits[0]
+    for path in tree.paths():
+        sequence = torch.cat([prompt, tree.tokens[path]])
+        fresh = target.new_cache(1, 64)
+        plain = target.forward(sequence[None], torch.arange(len(sequence))[None], fresh, None).logits[0, 12:]
+        torch.testing.assert_close(logits[path], plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_backends_match_sdpa(dtype):
+    q, k, v, mask, prefix = (t.cuda() if isinstance(t, torch.Tensor) else t
+                             for t in random_case(seed=3, heads=8, kv_heads=2, prefix=300, nodes=7, dim=64,
+                                                  dtype=dtype))
+    expected = tree_attention(q, k, v, mask, 0.125, "sdpa")
+    for backend in available_backends(q.device):
+        got = tree_attention(q, k, v, mask, 0.125, backend, prefix_len=prefix)
+        torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)

@@ -1,0 +1,123 @@
+"""Head modules and checkpoints: round trip, refusing a mismatched target, serving export layouts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from heads.common import target_signature
+from heads.eagle import EagleConfig, EagleHead
+from heads.io import export_head, load_head, save_head
+from heads.medusa import MedusaConfig, MedusaHeads
+from tests.tiny_training import char_tokenizer
+
+
+def tiny_target(hidden=32, vocab=64, layers=4, seed=0):
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                                        pad_token_id=None, bos_token_id=None, eos_token_id=None)).eval()
+
+
+def make_head(kind, model):
+    embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    if kind == "eagle":
+        return EagleHead(EagleConfig(), model.config, embed, lm_head)
+    if kind == "eagle3":
+        head = EagleHead(EagleConfig(kind="eagle3", fc_bias=False, feature_layers=[1, 2, 3], draft_vocab_size=16),
+                         model.config, embed, None)
+        t2d = torch.zeros(64, dtype=torch.bool)
+        t2d[torch.arange(0, 64, 4)] = True
+        head.set_draft_vocab(torch.arange(0, 64, 4) - torch.arange(16), t2d)
+        return head
+    return MedusaHeads(MedusaConfig(num_heads=3, num_layers=2, shared_lm_head=kind == "medusa"), model.config,
+                       lm_head)
+
+
+def perturb(head):
+    """Zero-initialised Medusa blocks are the identity: give them weights so the round trip can fail."""
+    if isinstance(head, MedusaHeads):
+        with torch.no_grad():
+            for block in head.blocks:
+                for layer in block.layers:
+                    layer.weight.normal_(0, 0.1)
+    return head
+
+
+def outputs(head, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        if isinstance(head, MedusaHeads):
+            return head(torch.randn(2, 5, 32, generator=generator))
+        ids = torch.randint(0, 64, (2, 5), generator=generator)
+        features = torch.randn(2, 5, head.feature_size, generator=generator)
+        return head(ids, features, torch.arange(5)[None].expand(2, -1))[1]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "medusa-own-heads"])
+def test_checkpoint_round_trip_gives_identical_outputs(tmp_path, kind):
+    model = tiny_target()
+    head = perturb(make_head(kind, model))
+    before = outputs(head)
+    save_head(head, tmp_path / "head", target_signature(model, "tiny", char_tokenizer()))
+    config = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert config["head_type"] == kind.split("-")[0] and config["target"]["hidden_size"] == 32
+    loaded = load_head(tmp_path / "head", model, identity="tiny", tokenizer=char_tokenizer())
+    after = outputs(loaded)
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
+    weights = set(loaded.state_dict())
+    assert not any("embed" in k or "target_lm_head" in k for k in weights), "frozen target weights were saved"
+    if kind == "eagle3":
+        assert torch.equal(loaded.draft_to_target, torch.arange(0, 64, 4))
+
+
+def test_head_refuses_mismatched_target(tmp_path):
+    model = tiny_target()
+    save_head(make_head("eagle", model), tmp_path / "head", target_signature(model, "tiny-a", char_tokenizer()))
+    with pytest.raises(ValueError, match="hidden size 32, this target has 48"):
+        load_head(tmp_path / "head", tiny_target(hidden=48))
+    with pytest.raises(ValueError, match="vocabulary size 64, this target has 80"):
+        load_head(tmp_path / "head", tiny_target(vocab=80))
+    with pytest.raises(ValueError, match="number of layers 4, this target has 2"):
+        load_head(tmp_path / "head", tiny_target(layers=2))
+    other_tokenizer = char_tokenizer()
+    other_tokenizer.add_tokens(["<extra>"])
+    with pytest.raises(ValueError, match="tokenizer fingerprint"):
+        load_head(tmp_path / "head", model, tokenizer=other_tokenizer)
+    with pytest.raises(FileNotFoundError, match="not a head directory"):
+        load_head(tmp_path, model)
+    with pytest.warns(UserWarning, match="trained for 'tiny-a'"):
+        load_head(tmp_path / "head", model, identity="tiny-b")
+
+
+def test_head_without_target_weights_says_how_to_fix():
+    model = tiny_target()
+    head = EagleHead(EagleConfig(), model.config)
+    with pytest.raises(RuntimeError, match="load_head"):
+        head(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, 32), torch.arange(2)[None])
+
+
+def test_serving_export_layouts(tmp_path):
+    from safetensors.torch import load_file
+
+    model = tiny_target()
+    export_head(make_head("eagle3", model), tmp_path / "e3")
+    config = json.loads((tmp_path / "e3" / "config.json").read_text())
+    keys = set(load_file(str(tmp_path / "e3" / "model.safetensors")))
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 16
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight",
+            "midlayer.input_layernorm.weight", "midlayer.self_attn.q_proj.weight"} <= keys
+    assert not any("embed" in k for k in keys)
+    export_head(make_head("eagle", model), tmp_path / "e1")
+    keys = set(load_file(str(tmp_path / "e1" / "model.safetensors")))
+    assert json.loads((tmp_path / "e1" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight"} <= keys
+    assert "layers.0.input_layernorm.weight" not in keys
+    export_head(make_head("medusa", model), tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    keys = set(load_file(str(tmp_path / "m" / "model.safetensors")))
+    assert config["model_type"] == "medusa" and config["num_heads"] == 3 and config["num_hidden_layers"] == 2
+    assert {"blocks.0.layers.1.weight", "blocks.2.layers.0.bias", "lm_heads.2.weight"} <= keys

@@ -1,0 +1,68 @@
+"""The command-line scripts, end to end on a tiny random model that uses the default target's tokenizer."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from runtime.target import DEFAULT_TARGET, _float_cache_for_gguf, load_target, resolve_target
+from tests.conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A 1-layer random model with SmolLM2's vocabulary and chat template, saved like any HF checkpoint."""
+    _, gguf = resolve_target(DEFAULT_TARGET)
+    float_dir = _float_cache_for_gguf(gguf)
+    if not (float_dir / "config.json").is_file():
+        load_target(DEFAULT_TARGET)  # dequantizes once into the cache
+    tokenizer = AutoTokenizer.from_pretrained(float_dir)
+    model = tiny_model("llama", vocab_size=len(tokenizer), num_hidden_layers=1, hidden_size=16,
+                       intermediate_size=32, eos_token_id=tokenizer.eos_token_id)
+    directory = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_generate_script_writes_jsonl(tiny_dir, tmp_path):
+    from scripts.generate import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello there"}) + "\n" + json.dumps({"turns": ["hi", "x"]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["--target", str(tiny_dir), "--proposer", "ngram", "--prompts", str(prompts),
+                 "--max-new-tokens", "12", "--tree-tokens", "6", "--output", str(out)]) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["prompt"] for line in lines] == ["hello there", "hi"]
+    for line in lines:
+        assert set(line) == {"id", "prompt", "output_ids", "text", "accept_lengths", "target_forwards", "seconds"}
+        assert 0 < len(line["output_ids"]) <= 12
+        assert line["target_forwards"] == len(line["accept_lengths"]) + 1
+
+
+def test_benchmark_script_reports_every_method(tiny_dir, tmp_path):
+    from scripts.benchmark import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["one two one two", "abc abc abc"]))
+    out = tmp_path / "results.json"
+    assert main(["--target", str(tiny_dir), "--prompts", str(prompts), "--max-new-tokens", "16",
+                 "--tree-tokens", "6", "--output", str(out), "--device", "cpu"]) == 0
+    results = json.loads(out.read_text())
+    assert set(results["methods"]) == {"hf-greedy", "hf-pld", "none", "ngram"}
+    for name, row in results["methods"].items():
+        assert row["identical"] == 1.0, name  # every method reproduces HF greedy
+        assert row["tokens_per_s"] > 0 and row["tau"] >= 1.0
+    assert out.with_suffix(".png").is_file()
+
+
+def test_missing_local_model_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a model directory"):
+        load_target(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        load_target(str(tmp_path / "nope.gguf"))
+    with pytest.raises(ValueError, match="unknown dtype"):
+        load_target("smollm2-135m", dtype="float8")
+    assert torch.get_num_threads() >= 1

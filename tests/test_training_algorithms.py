@@ -1,0 +1,139 @@
+"""Pure tensor algorithms of training on hand-built cases: chain masks, shifts, draft vocabulary, losses, metrics;
+and the two exactness properties built on them (EAGLE-3 training-time test = sequential drafting; greedy branches =
+greedy decoding)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from heads.eagle import EagleConfig, EagleHead
+from training.draft_vocab import build_draft_vocab, count_tokens, draft_to_target_ids, target_to_draft_ids
+from training.losses import decay_weights, feature_regression_loss, soft_cross_entropy, sparse_soft_cross_entropy
+from training.masks import ChainCache, chain_attention_mask, next_token_mask, shift_left
+from training.metrics import acceptance_counts, acceptance_rates
+
+
+def test_chain_mask_by_hand():
+    T, F_ = True, False
+    step0 = chain_attention_mask(3, 0)[0, 0]
+    assert step0.tolist() == [[T, F_, F_], [T, T, F_], [T, T, T]]
+    step2 = chain_attention_mask(3, 2)[0, 0]
+    assert step2.shape == (3, 9)
+    assert step2.tolist() == [
+        [T, F_, F_, T, F_, F_, T, F_, F_],
+        [T, T, F_, F_, T, F_, F_, T, F_],
+        [T, T, T, F_, F_, T, F_, F_, T],
+    ]
+
+
+def test_shift_and_next_token_mask():
+    values = torch.tensor([[1, 2, 3, 4]])
+    assert shift_left(values, 1, 0).tolist() == [[2, 3, 4, 0]]
+    assert shift_left(values, 3, -1).tolist() == [[4, -1, -1, -1]]
+    assert shift_left(values, 5, 9).tolist() == [[9, 9, 9, 9]]
+    assistant = torch.tensor([[0, 0, 1, 1]], dtype=torch.bool)
+    assert next_token_mask(assistant).tolist() == [[False, True, True, False]]
+
+
+def test_draft_vocab_by_hand():
+    counts = torch.tensor([5, 0, 3, 3, 1, 0])
+    d2t, t2d = build_draft_vocab(counts, 3)
+    assert t2d.tolist() == [True, False, True, True, False, False]
+    assert draft_to_target_ids(d2t).tolist() == [0, 2, 3]
+    assert d2t.tolist() == [0, 1, 1]  # target = draft + offset
+    assert target_to_draft_ids(d2t, 6).tolist() == [0, -1, 1, 2, -1, -1]
+    d2t, t2d = build_draft_vocab(counts, 5)  # ties and unseen tokens: lowest ids first
+    assert draft_to_target_ids(d2t).tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="draft vocabulary size"):
+        build_draft_vocab(counts, 7)
+    counts = count_tokens([[1, 2, 2, 5]], [[False, True, True, True]], 6)
+    assert counts.tolist() == [0, 0, 2, 0, 0, 1]
+
+
+def test_losses_by_hand():
+    logits = torch.tensor([[2.0, 0.0, -1.0]])
+    one_hot = torch.log(torch.tensor([[1e-30, 1.0, 1e-30]]))
+    assert torch.allclose(soft_cross_entropy(logits, one_hot), F.cross_entropy(logits, torch.tensor([1])))
+    target = torch.log_softmax(torch.tensor([[0.5, 1.0, -2.0]]), -1)
+    top_values, top_ids = target.topk(3)
+    assert torch.allclose(sparse_soft_cross_entropy(logits, top_values, top_ids), soft_cross_entropy(logits, target))
+    # an id outside the draft vocabulary (-inf) drops out and the rest renormalises
+    masked = sparse_soft_cross_entropy(logits, torch.tensor([[0.0, float("-inf")]]), torch.tensor([[0, -1]]))
+    assert torch.allclose(masked, -F.log_softmax(logits, -1)[:, 0])
+    assert feature_regression_loss(torch.tensor([[0.0, 3.0]]), torch.tensor([[0.5, 0.0]])).item() == \
+        pytest.approx((0.5 * 0.25 + 2.5) / 2)
+    assert decay_weights(3, 0.8) == pytest.approx([1.0, 0.8, 0.64])
+
+
+def test_acceptance_metrics_by_hand():
+    matches = torch.tensor([[1, 1, 0], [1, 0, 1], [0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    reached, accepted = acceptance_counts(matches)
+    assert reached.tolist() == [4, 3, 2, 1]
+    assert accepted.tolist() == [2, 1, 0, 3]
+    acc, tau = acceptance_rates(reached)
+    assert acc == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    assert tau == pytest.approx(1 + 6 / 4)
+
+
+def tiny_llama(layers=4, vocab=48, seed=0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_training_time_test_equals_sequential_drafting():
+    """Step k of the batched chain (one forward per step, chain mask) gives, for every row t, exactly what a
+    drafter computes when it runs the chain from context t alone with a real cache."""
+    model = tiny_llama()
+    head = EagleHead(EagleConfig(kind="eagle3", fc_bias=False, feature_layers=[1, 2, 3]), model.config,
+                     model.get_input_embeddings().weight, None).eval()
+    torch.manual_seed(1)
+    length, steps = 6, 3
+    ids = torch.randint(0, 48, (1, length))
+    chain_tokens = torch.randint(0, 48, (1, length, steps))  # token fed at step k>0 of row t
+    features = torch.randn(1, length, 96)
+    with torch.no_grad():
+        cache, hidden, batched = ChainCache(), features, []
+        for step in range(steps):
+            tokens = ids if step == 0 else chain_tokens[..., step - 1]
+            positions = (torch.arange(length) + step)[None]
+            hidden = head.hidden_states(tokens, hidden, positions, chain_attention_mask(length, step), cache)
+            batched.append(hidden)
+        for row in range(length):
+            cache = ChainCache()
+            hidden = head.hidden_states(ids[:, : row + 1], features[:, : row + 1], torch.arange(row + 1)[None],
+                                        None, cache)
+            torch.testing.assert_close(hidden[:, row], batched[0][:, row], atol=1e-5, rtol=1e-5)
+            last = hidden[:, row: row + 1]
+            for step in range(1, steps):
+                mask = torch.ones(1, 1, 1, row + 1 + step, dtype=torch.bool)
+                last = head.hidden_states(chain_tokens[:, row: row + 1, step - 1], last,
+                                          torch.tensor([[row + step]]), mask, cache)
+                torch.testing.assert_close(last[:, 0], batched[step][:, row], atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_branches_equal_greedy_decoding():
+    from runtime.target import target_from_model
+    from training.evaluate import greedy_branches
+
+    model = tiny_llama(layers=2, seed=3)
+    target = target_from_model(model)
+    ids = torch.randint(0, 48, (2, 7))
+    branches = greedy_branches(target, ids, 4)
+    for row in range(2):
+        for t in (0, 3, 6):
+            sequence = ids[row: row + 1, : t + 1]
+            expected = []
+            for _ in range(4):
+                with torch.no_grad():
+                    token = model(input_ids=sequence).logits[0, -1].argmax()
+                expected.append(int(token))
+                sequence = torch.cat((sequence, token.view(1, 1)), dim=1)
+            assert branches[row, t].tolist() == expected
