@@ -80,9 +80,12 @@ def test_offline_features_match_online(tiny, tmp_path):
 
 def test_offline_run_trains(tiny, tmp_path):
     summary = run_config(tiny, tmp_path / "run", "eagle", 4,
-                         ["features.mode=offline", f"features.dir={tmp_path / 'store'}", "eval.at_start=false"])
+                         ["features.mode=offline", f"features.dir={tmp_path / 'store'}", "eval.at_start=false",
+                          "tracker=wandb"])
     assert summary["features"] == "offline" and summary["final_eval"]["step"] == 4
     assert (tmp_path / "store" / "manifest.json").is_file()
+    offline_runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert offline_runs and list(offline_runs[0].glob("*.wandb")), "no offline W&B run in the run directory"
 
 
 def test_medusa2_lora_keeps_base_weights_and_merges(tiny, tmp_path):

@@ -72,7 +72,7 @@ class MedusaHeadConf(HeadConf):
 
 @dataclass
 class TargetConf:
-    name: str = "smollm2-135m"  # alias, HF id, local directory or .gguf file
+    name: Optional[str] = "smollm2-135m"  # alias, HF id, local directory or .gguf file
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     trust_remote_code: bool = False
 
@@ -176,13 +176,16 @@ def register_configs() -> None:
 
 def compose_config(overrides: list[str] = ()) -> TrainConfig:
     """Compose conf/train.yaml with overrides (tests, scripts) into the typed config object."""
+    return compose_many([overrides])[0]
+
+
+def compose_many(override_lists: list[list[str]]) -> list[TrainConfig]:
+    """Compose several override lists under one Hydra initialisation."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
     register_configs()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        config = compose(config_name=CONFIG_NAME, overrides=list(overrides))
-    return to_typed(config)
+        return [to_typed(compose(config_name=CONFIG_NAME, overrides=list(overrides))) for overrides in override_lists]
 
 
 def to_typed(config) -> TrainConfig:
@@ -208,6 +211,11 @@ def validate(config: TrainConfig) -> None:
         problems.append("trainer.max_steps, trainer.micro_batch_size and trainer.grad_accum must be >= 1")
     if config.eval.depth < 1:
         problems.append("eval.depth must be >= 1")
+    if not config.target.name:
+        problems.append("target.name is empty: pass target.name=<alias | HF id | local dir | file.gguf>")
+    if config.data.source in ("json", "hf") and not config.data.path:
+        problems.append(f"data.path is required for data.source={config.data.source}: pass data.path="
+                        + ("<file.json|file.jsonl>" if config.data.source == "json" else "<HF dataset id>"))
     lora = getattr(config.head, "lora", None)
     if lora is not None and lora.enabled and config.features.mode != "online":
         problems.append("head.lora.enabled (Medusa-2) trains the target itself: it needs features.mode=online")

@@ -37,7 +37,7 @@ def build_head(conf: TrainConfig, target, train_split) -> torch.nn.Module:
         return EagleHead(EagleConfig(kind="eagle", num_layers=head_conf.num_layers, fc_bias=True), target.config,
                          embed, lm_head)
     if head_conf.type == "eagle3":
-        layers = list(head_conf.feature_layers) or default_feature_layers(target.num_layers)
+        layers = resolve_feature_layers(conf, target.num_layers)
         if len(layers) != 3 or not all(0 <= i < target.num_layers for i in layers):
             raise ValueError(f"head.feature_layers={layers}: EAGLE-3 needs 3 layer indices in 0..{target.num_layers - 1}")
         vocab = target.vocab_size
@@ -53,6 +53,37 @@ def build_head(conf: TrainConfig, target, train_split) -> torch.nn.Module:
         return head
     return MedusaHeads(MedusaConfig(num_heads=head_conf.num_heads, num_layers=head_conf.num_layers,
                                     shared_lm_head=head_conf.shared_lm_head), target.config, lm_head)
+
+
+def resolve_feature_layers(conf: TrainConfig, num_layers: int) -> list[int]:
+    """The target layers whose inputs an EAGLE-3 head fuses (empty for the other heads)."""
+    if conf.head.type != "eagle3":
+        return []
+    return list(conf.head.feature_layers) or default_feature_layers(num_layers)
+
+
+def prepare_offline_store(conf: TrainConfig, target, train_split, feature_layers: list[int], pad_id: int,
+                          dist: ds.Dist) -> Path:
+    """The offline feature store for this target + data + features config, extracting it first when incomplete
+    (every rank extracts its share of shards; extraction resumes where a killed one stopped)."""
+    tokenizer = target.tokenizer
+    data_key = cache_key(conf.data, tokenizer)
+    key = store_key(target.identity, tokenizer_fingerprint(tokenizer), data_key, feature_layers, conf.features.topk,
+                    conf.features.dtype, conf.data.max_length)
+    store = Path(conf.features.dir) if conf.features.dir else cache_dir() / "features" / key
+    if not store_complete(store):
+        extract_offline(target, train_split, store, feature_layers, conf.features.topk, conf.features.dtype,
+                        conf.features.batch_size, pad_id, dist.rank, dist.world, conf.trainer.progress)
+        ds.barrier()
+        if dist.is_main:
+            write_manifest(store, len(train_split), {"target": target.identity, "feature_layers": feature_layers,
+                                                      "topk": conf.features.topk, "data": data_key})
+        ds.barrier()
+    return store
+
+
+def pad_token_id(tokenizer) -> int:
+    return next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
 
 
 def target_dtype(conf: TrainConfig, device: torch.device) -> str:
@@ -111,7 +142,7 @@ def run(conf: TrainConfig) -> dict:
 
     target = load_target_once(conf, dist)
     tokenizer = target.tokenizer
-    pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
+    pad_id = pad_token_id(tokenizer)
     splits = load_splits(conf.data, tokenizer, dist.is_main, ds.barrier)
     train_split, val_split = splits["train"], splits["validation"]
     head = build_head(conf, target, train_split)
@@ -132,18 +163,7 @@ def run(conf: TrainConfig) -> dict:
 
     offline = None
     if conf.features.mode == "offline":
-        data_key = cache_key(conf.data, tokenizer)
-        key = store_key(target.identity, tokenizer_fingerprint(tokenizer), data_key, feature_layers,
-                        conf.features.topk, conf.features.dtype, conf.data.max_length)
-        store = Path(conf.features.dir) if conf.features.dir else cache_dir() / "features" / key
-        if not store_complete(store):
-            extract_offline(target, train_split, store, feature_layers, conf.features.topk, conf.features.dtype,
-                            conf.features.batch_size, pad_id, dist.rank, dist.world, conf.trainer.progress)
-            ds.barrier()
-            if dist.is_main:
-                write_manifest(store, len(train_split), {"target": target.identity, "feature_layers": feature_layers,
-                                                          "topk": conf.features.topk, "data": data_key})
-            ds.barrier()
+        store = prepare_offline_store(conf, target, train_split, feature_layers, pad_id, dist)
         offline = OfflineFeatures(store, len(train_split))
 
     head_conf = conf.head
