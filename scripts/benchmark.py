@@ -39,6 +39,16 @@ class MethodStats:
     prompts: int = 0
     per_prompt_tps: list[float] = field(default_factory=list)
     accept_lengths: list[int] = field(default_factory=list)
+    depth_attempts: list[int] = field(default_factory=list)
+    depth_accepts: list[int] = field(default_factory=list)
+
+    def add_depths(self, attempts: list[int], accepts: list[int]) -> None:
+        for depth, (tried, taken) in enumerate(zip(attempts, accepts)):
+            if depth == len(self.depth_attempts):
+                self.depth_attempts.append(0)
+                self.depth_accepts.append(0)
+            self.depth_attempts[depth] += tried
+            self.depth_accepts[depth] += taken
 
 
 class ForwardCounter:
@@ -59,19 +69,20 @@ def run_hf(model, counter, ids, method, max_new_tokens, eos):
     out = model.generate(ids[None].to(model.device), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                          pad_token_id=eos[0], **extra)
     seconds = time.perf_counter() - started
-    return out[0, ids.numel():].tolist(), seconds, counter.count - before, []
+    return out[0, ids.numel():].tolist(), seconds, counter.count - before, None
 
 
 def run_ours(decoder, ids, max_new_tokens, temperature, seed):
     result = decoder.generate(ids.to(decoder.target.device), max_new_tokens, temperature=temperature, seed=seed)
-    return result.tokens, result.seconds, result.target_forwards, result.accept_lengths
+    return result.tokens, result.seconds, result.target_forwards, result
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--methods", help=f"comma-separated (default: {','.join(DEFAULT_METHODS)}, plus draft "
-                                          "when --draft-model is given)")
+                                          "when --draft-model is given); heads as medusa:DIR, eagle:DIR, "
+                                          "eagle3:DIR")
     parser.add_argument("--draft-model")
     parser.add_argument("--prompts", help="JSONL prompts (default: MT-bench first turns)")
     parser.add_argument("--limit", type=int)
@@ -149,7 +160,7 @@ def main(argv=None) -> int:
         order = methods[index % len(methods):] + methods[: index % len(methods)]  # rotate who goes first
         outputs = {}
         for name in order:
-            tokens, seconds, forwards, accepts = run(name, ids, args.max_new_tokens)
+            tokens, seconds, forwards, details = run(name, ids, args.max_new_tokens)
             outputs[name] = tokens
             s = stats[name]
             s.tokens += len(tokens)
@@ -157,7 +168,9 @@ def main(argv=None) -> int:
             s.forwards += forwards
             s.prompts += 1
             s.per_prompt_tps.append(len(tokens) / seconds)
-            s.accept_lengths.extend(accepts)
+            if details is not None:
+                s.accept_lengths.extend(details.accept_lengths)
+                s.add_depths(details.depth_attempts, details.depth_accepts)
         for name in methods:
             stats[name].identical += outputs[name] == outputs["hf-greedy"]
         records.append({"id": prompts[index]["id"], "outputs": outputs})
@@ -176,6 +189,7 @@ def main(argv=None) -> int:
                                         "max": max(s.per_prompt_tps)},
             "tokens": s.tokens, "seconds": s.seconds,
             "tree_tokens": decoders[name].tree_tokens if name in decoders else None,
+            "depth_acceptance": [taken / tried for taken, tried in zip(s.depth_accepts, s.depth_attempts)],
         }
     config = {"target": args.target, "dtype": args.dtype, "prompts": args.prompts or "mt-bench", "n_prompts":
               len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,

@@ -1,6 +1,7 @@
 """Speculative generation from the command line.
 
     python scripts/generate.py --proposer ngram --prompt "Write a haiku about rain." --max-new-tokens 64
+    python scripts/generate.py --proposer eagle --head runs/eagle/head --prompts prompts.jsonl
 
 Writes one JSON line per prompt to --output (and prints the text): {"id", "prompt", "output_ids", "text",
 "accept_lengths", "target_forwards", "seconds"}.
@@ -26,6 +27,7 @@ def parse_args(argv=None):
     parser.add_argument("--target", default=DEFAULT_TARGET, help="HF id, local dir, .gguf file or alias")
     parser.add_argument("--proposer", default="ngram", choices=PROPOSER_NAMES)
     parser.add_argument("--draft-model", help="draft model for --proposer draft")
+    parser.add_argument("--head", help="trained head directory for --proposer medusa/eagle/eagle3")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="one prompt (a user turn)")
     source.add_argument("--prompts", help="JSONL with a 'prompt' field or MT-bench 'turns'")
@@ -48,7 +50,7 @@ def main(argv=None) -> int:
     prompts = [{"id": 0, "prompt": args.prompt}] if args.prompt is not None else read_prompts(args.prompts,
                                                                                               args.limit)
     target = load_target(args.target, dtype=args.dtype, device=args.device)
-    proposer = build_proposer(args.proposer, target, args.draft_model)
+    proposer = build_proposer(args.proposer, target, args.draft_model, head=args.head)
     decoder = SpeculativeDecoder(target, proposer, tree_tokens=args.tree_tokens, attention=args.attention)
     sink = open(args.output, "w") if args.output else None
     single = len(prompts) == 1

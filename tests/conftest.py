@@ -8,6 +8,10 @@ from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, Qwen2Co
 
 from runtime.target import target_from_model
 
+# Tiny models gain nothing from a second thread, and one thread keeps the suite steady when the other core is busy
+# (an oversubscribed OpenMP pool makes small ops orders of magnitude slower).
+torch.set_num_threads(1)
+
 COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
               pad_token_id=None, tie_word_embeddings=False)

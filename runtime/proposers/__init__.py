@@ -6,11 +6,33 @@ from runtime.proposers.base import NoProposer, Proposer, ProposeInput
 from runtime.proposers.draft_model import DraftModelProposer
 from runtime.proposers.ngram import NgramProposer
 
-PROPOSER_NAMES = ("none", "ngram", "draft")
+PROPOSER_NAMES = ("none", "ngram", "draft", "medusa", "eagle", "eagle3")
+HEAD_PROPOSERS = ("medusa", "eagle", "eagle3")
 
 
-def build_proposer(name: str, target, draft_model: str | None = None, dtype=None) -> Proposer:
-    """``none``, ``ngram`` or ``draft`` (needs ``draft_model``: an HF id, dir, .gguf or alias)."""
+def load_head_proposer(kind: str, head_dir: str, target) -> Proposer:
+    """A trained head from ``head_dir`` (the OUTPUT_DIR/head of a training run), checked against the target."""
+    from heads.io import load_head
+
+    head = load_head(head_dir, target.model, identity=target.identity, tokenizer=target.tokenizer,
+                     device=target.device, dtype=target.dtype)
+    if head.head_type != kind:
+        raise ValueError(f"{head_dir} holds a {head.head_type} head, not {kind}; use --proposer {head.head_type}")
+    if kind == "medusa":
+        from runtime.proposers.medusa import MedusaProposer
+
+        return MedusaProposer(head)
+    from runtime.proposers.eagle import EagleProposer
+
+    return EagleProposer(head, target)
+
+
+def build_proposer(name: str, target, draft_model: str | None = None, dtype=None,
+                   head: str | None = None) -> Proposer:
+    """``none``, ``ngram``, ``draft`` (needs ``draft_model``: an HF id, dir, .gguf or alias), or a head proposer
+    ``medusa`` / ``eagle`` / ``eagle3`` (needs ``head``: a head directory). ``kind:DIR`` is accepted too."""
+    if ":" in name and head is None:
+        name, head = name.split(":", 1)
     if name == "none":
         return NoProposer()
     if name == "ngram":
@@ -22,8 +44,12 @@ def build_proposer(name: str, target, draft_model: str | None = None, dtype=None
 
         draft = load_target(draft_model, dtype=dtype or target.dtype, device=target.device)
         return DraftModelProposer(draft, target)
+    if name in HEAD_PROPOSERS:
+        if not head:
+            raise ValueError(f"--proposer {name} needs --head DIR (a trained {name} head directory)")
+        return load_head_proposer(name, head, target)
     raise ValueError(f"unknown proposer {name!r}; choose one of {', '.join(PROPOSER_NAMES)}")
 
 
 __all__ = ["NoProposer", "Proposer", "ProposeInput", "DraftModelProposer", "NgramProposer", "build_proposer",
-           "PROPOSER_NAMES"]
+           "PROPOSER_NAMES", "HEAD_PROPOSERS", "load_head_proposer"]

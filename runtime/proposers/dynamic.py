@@ -19,14 +19,17 @@ ForwardFrontier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tens
 
 
 def build_dynamic_tree(root_token: int, root_logprobs: torch.Tensor, context_len: int,
-                       forward_frontier: ForwardFrontier, depth: int, top_k: int, budget: int) -> Tree:
+                       forward_frontier: ForwardFrontier, depth: int, top_k: int, budget: int,
+                       token_map: torch.Tensor | None = None) -> Tree:
     """Expand ``depth`` levels keeping the global top-k frontier by cumulative log-probability, then keep the best
-    ``budget - 1`` nodes of all levels (parent-before-child). root_logprobs [V]; the root sits at position
-    context_len - 1.
+    ``budget - 1`` nodes of all levels (parent-before-child). root_logprobs [V']; the root's children sit at
+    position ``context_len``. ``token_map`` [V'] maps a drafter's reduced vocabulary to target ids (EAGLE-3).
     """
     device = root_logprobs.device
     max_nodes = depth * top_k
     scores, tokens = root_logprobs.topk(min(top_k, root_logprobs.numel()))
+    if token_map is not None:
+        tokens = token_map[tokens]
     node_tokens = [tokens]
     node_parents = [torch.full_like(tokens, -1)]
     node_scores = [scores]
@@ -50,6 +53,8 @@ def build_dynamic_tree(root_token: int, root_logprobs: torch.Tensor, context_len
         logprobs = forward_frontier(frontier, all_tokens[frontier], parents,
                                     context_len - 1 + all_depths[frontier], mask)
         parent_pick, child_tokens, child_scores = select_frontier(torch.cat(node_scores)[frontier], logprobs, top_k)
+        if token_map is not None:
+            child_tokens = token_map[child_tokens]
         first_new = all_tokens.numel()
         node_tokens.append(child_tokens)
         node_parents.append(frontier[parent_pick])

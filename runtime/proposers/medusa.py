@@ -1,0 +1,72 @@
+"""Static Medusa trees: each head's top-k tokens placed on a fixed tree of rank paths ("choices")."""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from runtime.proposers.base import ProposeInput
+from runtime.tree import Tree
+
+
+def calibrated_choices(head_accuracy: list[float], budget: int, top_k: int = 10,
+                       rank_decay: float = 0.5) -> list[tuple[int, ...]]:
+    """The ``budget - 1`` rank paths with the highest estimated acceptance probability.
+
+    A path (r_1, ..., r_d) is accepted with probability prod_i head_accuracy[i-1] * rank_decay ** r_i (top-1
+    accuracy of head i, discounted for lower ranks); best-first search keeps the set ancestor-closed.
+    """
+    def probability(depth: int, rank: int) -> float:
+        return head_accuracy[depth] * rank_decay ** rank
+
+    chosen: list[tuple[int, ...]] = []
+    frontier = [(-probability(0, 0), (0,))]
+    while frontier and len(chosen) < budget - 1:
+        negative, path = heapq.heappop(frontier)
+        chosen.append(path)
+        score = -negative
+        depth = len(path)
+        if path[-1] + 1 < top_k:  # next sibling
+            sibling = path[:-1] + (path[-1] + 1,)
+            parent_score = score / probability(depth - 1, path[-1])
+            heapq.heappush(frontier, (-parent_score * probability(depth - 1, path[-1] + 1), sibling))
+        if depth < len(head_accuracy):  # first child
+            heapq.heappush(frontier, (-score * probability(depth, 0), path + (0,)))
+    return chosen
+
+
+class MedusaProposer:
+    """``heads``: MedusaHeads attached to the target's weights. ``choices`` fixes the tree; by default it is
+    calibrated from ``head_accuracy`` (per-head top-1 acceptance, e.g. measured during training) and the budget."""
+
+    name = "medusa"
+    hidden_layers: tuple[int, ...] = ()
+    needs_hidden = True
+
+    def __init__(self, heads, choices: list[tuple[int, ...]] | None = None, head_accuracy: list[float] | None = None,
+                 top_k: int = 10):
+        self.heads = heads
+        self.top_k = top_k
+        self.choices = [tuple(c) for c in choices] if choices is not None else None
+        self.head_accuracy = head_accuracy or [0.6 * 0.8 ** i for i in range(heads.num_heads)]
+        self.expected_acceptance = self.head_accuracy[0]
+
+    def start(self, prompt: torch.Tensor, max_length: int) -> None:
+        return None
+
+    @torch.inference_mode()
+    def propose(self, state: None, step: ProposeInput) -> Tree:
+        root = int(step.history[-1])
+        choices = self.choices or calibrated_choices(self.head_accuracy, step.budget, self.top_k)
+        if len(choices) >= step.budget:
+            raise ValueError(f"{len(choices)} Medusa choices need a tree budget of at least {len(choices) + 1} "
+                             f"nodes; pass tree_tokens={len(choices) + 1}")
+        depth = max(len(c) for c in choices)
+        last_hidden = step.new_hidden[-1]
+        logits = torch.stack([self.heads.head_logits(i, last_hidden) for i in range(depth)])  # [D, V]
+        ranks = max(c[-1] for c in choices) + 1
+        candidates = logits.topk(ranks, dim=-1).indices  # [D, ranks]
+        # Siblings carry distinct ranks of one head, hence distinct tokens: no duplicate branches.
+        return Tree.from_choices(root, choices, candidates)
+

@@ -1,0 +1,99 @@
+"""EAGLE, EAGLE-3 and Medusa proposers: lossless at temperature 0 and when sampling, trained or not."""
+
+import pytest
+import torch
+
+from heads.common import frozen_target_weights
+from heads.eagle import EagleConfig, EagleHead, default_feature_layers
+from heads.medusa import MedusaConfig, MedusaHeads
+from runtime.decoder import SpeculativeDecoder
+from runtime.proposers.eagle import EagleProposer
+from runtime.proposers.medusa import MedusaProposer, calibrated_choices
+from runtime.sampling import SamplingParams
+from runtime.target import target_from_model
+from tests.conftest import tiny_model
+from tests.test_greedy_equality import PROMPTS, hf_greedy
+
+VOCAB = 64
+
+
+def eagle_head(target, kind, seed=0, draft_vocab=0):
+    torch.manual_seed(seed)
+    layers = default_feature_layers(target.num_layers) if kind == "eagle3" else []
+    config = EagleConfig(kind=kind, feature_layers=layers, draft_vocab_size=draft_vocab,
+                         fc_bias=kind == "eagle")
+    embed, lm_head = frozen_target_weights(target.model)
+    head = EagleHead(config, target.config, embed, lm_head)
+    if kind == "eagle3" and draft_vocab:
+        # a reduced vocabulary: every other target id
+        draft_ids = torch.arange(0, VOCAB, VOCAB // draft_vocab)[:draft_vocab]
+        t2d = torch.zeros(VOCAB, dtype=torch.bool)
+        t2d[draft_ids] = True
+        head.set_draft_vocab(draft_ids - torch.arange(draft_vocab), t2d)
+    return head.eval()
+
+
+def medusa_heads(target, seed=0, layers=1):
+    torch.manual_seed(seed)
+    _, lm_head = frozen_target_weights(target.model)
+    heads = MedusaHeads(MedusaConfig(num_heads=3, num_layers=layers, shared_lm_head=True), target.config, lm_head)
+    with torch.no_grad():  # "trained": move the residual blocks off their identity initialisation
+        for parameter in heads.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.3)
+    return heads.eval()
+
+
+def head_proposers(target):
+    return {
+        "eagle": EagleProposer(eagle_head(target, "eagle"), target, depth=4, top_k=3),
+        "eagle3": EagleProposer(eagle_head(target, "eagle3"), target, depth=4, top_k=3),
+        "eagle3-draft-vocab": EagleProposer(eagle_head(target, "eagle3", draft_vocab=32), target, depth=3, top_k=4),
+        "medusa": MedusaProposer(medusa_heads(target)),
+        "medusa-identity": MedusaProposer(MedusaHeads(MedusaConfig(num_heads=2, num_layers=1), target.config,
+                                                      frozen_target_weights(target.model)[1]).eval()),
+    }
+
+
+def test_head_proposers_match_hf_greedy(arch):
+    target = target_from_model(tiny_model(arch, seed=0, vocab_size=VOCAB), identity="tiny")
+    references = [hf_greedy(arch, prompt, 40) for prompt in PROMPTS]
+    for name, proposer in head_proposers(target).items():
+        decoder = SpeculativeDecoder(target, proposer, tree_tokens=10)
+        for prompt, reference in zip(PROMPTS, references):
+            result = decoder.generate(prompt, 40)
+            assert result.tokens == reference, f"{arch}/{name}"
+            assert max(result.tree_sizes) > 1, f"{name} never drafted"
+
+
+def test_calibrated_choices_are_ancestor_closed_and_prefer_likely_paths():
+    choices = calibrated_choices([0.8, 0.5, 0.3], budget=8, top_k=4)
+    assert len(choices) == 7 and choices[0] == (0,)
+    assert all(c[:-1] in choices or len(c) == 1 for c in choices)
+    assert (0, 0) in choices and (0, 0, 0) in choices
+    assert calibrated_choices([0.9], budget=4, top_k=10) == [(0,), (1,), (2,)]
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle3-draft-vocab", "medusa"])
+def test_head_proposers_preserve_the_sampling_distribution(name):
+    from tests import test_sampling_distribution as sampling
+
+    def build(target):
+        return head_proposers_small(target)[name]
+
+    assert sampling.empirical_p_value(build, SamplingParams(temperature=1.0), tree_tokens=5) > 1e-3
+
+
+def head_proposers_small(target):
+    """The same proposers over the 5-token vocabulary of the sampling test."""
+    embed, lm_head = frozen_target_weights(target.model)
+    torch.manual_seed(0)
+    eagle = EagleHead(EagleConfig(kind="eagle"), target.config, embed, lm_head).eval()
+    eagle3 = EagleHead(EagleConfig(kind="eagle3", feature_layers=[0, 0, 0], draft_vocab_size=3), target.config,
+                       embed, lm_head)
+    t2d = torch.zeros(5, dtype=torch.bool)
+    t2d[[0, 2, 4]] = True
+    eagle3.set_draft_vocab(torch.tensor([0, 1, 2]), t2d)
+    medusa = MedusaHeads(MedusaConfig(num_heads=2, num_layers=1), target.config, lm_head).eval()
+    return {"eagle": EagleProposer(eagle, target, depth=3, top_k=2),
+            "eagle3-draft-vocab": EagleProposer(eagle3.eval(), target, depth=3, top_k=2),
+            "medusa": MedusaProposer(medusa, top_k=3)}
