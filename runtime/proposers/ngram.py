@@ -41,7 +41,7 @@ class NgramProposer:
     """Prompt-lookup decoding over prompt + generated text, proposing a tree from several matches."""
 
     max_ngram: int = 4
-    min_ngram: int = 1
+    min_ngram: int = 2  # single-token matches are right too rarely to pay for a multi-token pass on CPU
     max_matches: int = 4
     max_depth: int = 10
     name: str = "ngram"
