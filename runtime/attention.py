@@ -126,6 +126,11 @@ def tree_attention(query, key, value, mask, scale: float, backend: str = "sdpa",
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
+def default_backend(device: torch.device) -> str:
+    """The flash-attn cascade on CUDA when flash-attn is importable; SDPA otherwise."""
+    return "cascade" if flash_attn_available(device) else "sdpa"
+
+
 def available_backends(device: torch.device) -> list[str]:
     """Backends that run on ``device`` here (cascade always runs: off CUDA with its reference prefix kernel)."""
     names = ["sdpa", "cascade"]

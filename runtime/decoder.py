@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 import torch
 
 from runtime.acceptance import greedy_accept, rejection_accept, typical_accept
+from runtime.attention import BACKENDS, default_backend
 from runtime.proposers.base import NoProposer, Proposer, ProposeInput
 from runtime.sampling import SamplingParams, processed_probs, sample
 from runtime.target import Target
@@ -46,16 +47,19 @@ class SpeculativeDecoder:
     included); None sizes it from the target's measured cost curve (runtime.cost_model) on this machine.
 
     acceptance: "exact" (greedy at temperature 0, lossless rejection sampling otherwise) or "typical" (Medusa's
-    lossy typical acceptance, opt-in).
+    lossy typical acceptance, opt-in). attention: a backend of runtime.attention, or "auto": the flash-attn cascade
+    on CUDA when flash-attn is installed, SDPA otherwise.
     """
 
     def __init__(self, target: Target, proposer: Proposer | None = None, tree_tokens: int | None = None,
-                 attention: str = "sdpa", acceptance: str = "exact"):
+                 attention: str = "auto", acceptance: str = "exact"):
         if acceptance not in ("exact", "typical"):
             raise ValueError(f"acceptance must be 'exact' or 'typical' (lossy), got {acceptance!r}")
         self.target = target
         self.proposer = proposer if proposer is not None else NoProposer()
-        self.attention = attention
+        if attention != "auto" and attention not in BACKENDS:
+            raise ValueError(f"unknown attention backend {attention!r}; choose auto or one of {', '.join(BACKENDS)}")
+        self.attention = default_backend(target.device) if attention == "auto" else attention
         self.acceptance = acceptance
         if tree_tokens is None:
             from runtime.cost_model import choose_tree_tokens

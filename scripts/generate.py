@@ -25,7 +25,8 @@ from runtime.target import DEFAULT_TARGET, load_target
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET, help="HF id, local dir, .gguf file or alias")
-    parser.add_argument("--proposer", default="ngram", choices=PROPOSER_NAMES)
+    parser.add_argument("--proposer", default="ngram", choices=PROPOSER_NAMES,
+                        help="none, ngram, draft (--draft-model), or a head: medusa, eagle, eagle3 (--head)")
     parser.add_argument("--draft-model", help="draft model for --proposer draft")
     parser.add_argument("--head", help="trained head directory for --proposer medusa/eagle/eagle3")
     source = parser.add_mutually_exclusive_group()
@@ -38,7 +39,10 @@ def parse_args(argv=None):
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tree-tokens", type=int, help="verification tree size (default: from the cost curve)")
-    parser.add_argument("--attention", default="sdpa", choices=("sdpa", "flex", "cascade"))
+    parser.add_argument("--attention", default="auto", choices=("auto", "sdpa", "flex", "cascade"),
+                        help="tree-attention backend (auto: flash-attn cascade on CUDA when installed, else SDPA)")
+    parser.add_argument("--acceptance", default="exact", choices=("exact", "typical"),
+                        help="exact (lossless, default) or typical (Medusa's typical acceptance: LOSSY, faster)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output", help="JSONL output file")
@@ -51,7 +55,10 @@ def main(argv=None) -> int:
                                                                                               args.limit)
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     proposer = build_proposer(args.proposer, target, args.draft_model, head=args.head)
-    decoder = SpeculativeDecoder(target, proposer, tree_tokens=args.tree_tokens, attention=args.attention)
+    decoder = SpeculativeDecoder(target, proposer, tree_tokens=args.tree_tokens, attention=args.attention,
+                                 acceptance=args.acceptance)
+    if args.acceptance == "typical":
+        print("[headstart] typical acceptance is lossy: output may differ from the target's own", file=sys.stderr)
     sink = open(args.output, "w") if args.output else None
     single = len(prompts) == 1
     try:

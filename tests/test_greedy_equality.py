@@ -99,3 +99,15 @@ def test_gpu_greedy_equality(dtype, backend):
         result = SpeculativeDecoder(target, proposer, tree_tokens=8, attention=backend).generate(PROMPTS[2],
                                                                                                  NEW_TOKENS)
         assert result.tokens == reference
+
+
+def test_typical_acceptance_at_temperature_zero_is_greedy():
+    """With a one-hot target, typical acceptance only takes the argmax: the lossy rule is exact at T = 0."""
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    reference = hf_greedy("llama", PROMPTS[1], NEW_TOKENS)
+    proposer = DraftModelProposer(target, target, "tree", depth=4, top_k=3)
+    result = SpeculativeDecoder(target, proposer, tree_tokens=8, acceptance="typical").generate(PROMPTS[1],
+                                                                                                  NEW_TOKENS)
+    assert result.tokens == reference
+    with pytest.raises(ValueError, match="typical"):
+        SpeculativeDecoder(target, proposer, tree_tokens=8, acceptance="lossy")

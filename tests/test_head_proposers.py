@@ -97,3 +97,25 @@ def head_proposers_small(target):
     return {"eagle": EagleProposer(eagle, target, depth=3, top_k=2),
             "eagle3-draft-vocab": EagleProposer(eagle3.eval(), target, depth=3, top_k=2),
             "medusa": MedusaProposer(medusa, top_k=3)}
+
+
+def test_saved_heads_load_into_proposers_by_name(tmp_path):
+    from heads.common import target_signature
+    from heads.io import save_head
+    from runtime.proposers import build_proposer
+
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    eagle_dir, medusa_dir = tmp_path / "eagle", tmp_path / "medusa"
+    signature = target_signature(target.model, "tiny")
+    save_head(eagle_head(target, "eagle"), eagle_dir, signature, tree={"depth": 3})
+    save_head(medusa_heads(target), medusa_dir, signature, tree={"acceptance": [0.7, 0.4, 0.2]})
+    eagle = build_proposer(f"eagle:{eagle_dir}", target)
+    medusa = build_proposer("medusa", target, head=str(medusa_dir))
+    assert eagle.depth == 3 and medusa.head_accuracy == [0.7, 0.4, 0.2]
+    reference = hf_greedy("llama", PROMPTS[1], 30)
+    for proposer in (eagle, medusa):
+        assert SpeculativeDecoder(target, proposer, tree_tokens=8).generate(PROMPTS[1], 30).tokens == reference
+    with pytest.raises(ValueError, match="holds a medusa head"):
+        build_proposer(f"eagle:{medusa_dir}", target)
+    with pytest.raises(ValueError, match="needs --head"):
+        build_proposer("eagle3", target)

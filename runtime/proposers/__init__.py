@@ -11,20 +11,26 @@ HEAD_PROPOSERS = ("medusa", "eagle", "eagle3")
 
 
 def load_head_proposer(kind: str, head_dir: str, target) -> Proposer:
-    """A trained head from ``head_dir`` (the OUTPUT_DIR/head of a training run), checked against the target."""
-    from heads.io import load_head
+    """A trained head from ``head_dir`` (the OUTPUT_DIR/head of a training run), checked against the target.
+
+    Tree defaults come from the head's config: ``depth`` for EAGLE, and the per-head acceptance measured during
+    training (``acceptance``, acc@1..K) to calibrate Medusa's static tree.
+    """
+    from heads.io import load_head, read_head_config
 
     head = load_head(head_dir, target.model, identity=target.identity, tokenizer=target.tokenizer,
                      device=target.device, dtype=target.dtype)
     if head.head_type != kind:
         raise ValueError(f"{head_dir} holds a {head.head_type} head, not {kind}; use --proposer {head.head_type}")
+    tree = read_head_config(head_dir).get("tree", {})
     if kind == "medusa":
         from runtime.proposers.medusa import MedusaProposer
 
-        return MedusaProposer(head)
+        accuracy = tree.get("acceptance")
+        return MedusaProposer(head, head_accuracy=accuracy[: head.num_heads] if accuracy else None)
     from runtime.proposers.eagle import EagleProposer
 
-    return EagleProposer(head, target)
+    return EagleProposer(head, target, depth=int(tree.get("depth", 6)))
 
 
 def build_proposer(name: str, target, draft_model: str | None = None, dtype=None,
