@@ -137,3 +137,22 @@ def test_greedy_branches_equal_greedy_decoding():
                 expected.append(int(token))
                 sequence = torch.cat((sequence, token.view(1, 1)), dim=1)
             assert branches[row, t].tolist() == expected
+
+
+def test_target_distribution_table_equals_direct_computation():
+    from training.objectives import TargetDistribution
+
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 5, 8)
+    weight = torch.randn(12, 8)
+    positions = torch.tensor([[0, 1, 1, 0, 1], [1, 0, 0, 1, 0]], dtype=torch.bool)
+    draft_ids = torch.tensor([1, 4, 5, 9])
+    target = TargetDistribution({"hidden": hidden}, positions, weight, None, draft_ids=draft_ids)
+    rows, cols = torch.tensor([0, 1, 0]), torch.tensor([4, 3, 1])
+    direct = hidden[rows, cols] @ weight.T
+    assert torch.equal(target.greedy(rows, cols), direct.argmax(-1))
+    draft_logits = torch.randn(3, 4)
+    expected = soft_cross_entropy(draft_logits, torch.log_softmax(direct[:, draft_ids], -1))
+    torch.testing.assert_close(target.cross_entropy(draft_logits, rows, cols), expected)
+    with pytest.raises(IndexError, match="outside the positions"):
+        target.greedy(torch.tensor([0]), torch.tensor([0]))

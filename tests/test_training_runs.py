@@ -179,3 +179,29 @@ def test_two_process_torchrun_matches_one_process(tiny, tmp_path, zero):
     expected, actual = head_weights(one), head_weights(two)
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_self_distillation_regenerates_replies_and_resumes(tiny, tmp_path):
+    import importlib.util
+
+    from training.data import normalize_conversation, read_records
+
+    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "scripts" / "prepare_data.py")
+    prepare_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare_data)
+    target, data = tiny
+    out = tmp_path / "sd.jsonl"
+    overrides = ["target=hf", f"target.name={target}", "data=json", f"data.path={data}", "data.max_samples=4",
+                 "data.val_samples=1"]
+    prepare_data.self_distill(out, 16, 2, 1, overrides)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in records) == [0, 1, 2, 3, 4]
+    originals = [json.loads(line) for line in Path(data).read_text().splitlines()[:5]]
+    for record, original in zip(records, originals):
+        messages = normalize_conversation(record)
+        assert messages[0]["content"] == original["conversations"][0]["value"]  # the prompt is kept
+        assert messages[-1]["role"] == "assistant"
+    lines_before = out.read_text()
+    prepare_data.self_distill(out, 16, 2, 1, overrides)  # everything is done: nothing is appended
+    assert out.read_text() == lines_before
+    assert len(list(read_records("json", str(out), "train", None))) == 5

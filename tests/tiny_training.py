@@ -19,13 +19,14 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
 
 
 def char_tokenizer():
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = list(string.ascii_lowercase + string.digits + " \n:.,?!")
     vocab = {token: i for i, token in enumerate(SPECIALS + chars)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()  # characters join without separators
     backend.add_special_tokens(SPECIALS)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
                                         eos_token="<|im_end|>")

@@ -104,7 +104,8 @@ def deepspeed_config(conf, dist: Dist, lr: float, betas, weight_decay: float, gr
         "zero_force_ds_cpu_optimizer": False,
         "zero_allow_untested_optimizer": True,
         "scheduler": {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": max(trainer.max_steps, 2), "warmup_num_steps": max(1, trainer.warmup_steps),
+            "total_num_steps": max(trainer.max_steps, 2),
+            "warmup_num_steps": max(1, min(trainer.warmup_steps, trainer.max_steps - 1)),
             "warmup_min_ratio": 0.0, "warmup_type": "linear", "cos_min_ratio": trainer.min_lr_ratio}},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,

@@ -23,33 +23,46 @@ from training.masks import ChainCache, chain_attention_mask, next_token_mask, sh
 
 
 class TargetDistribution:
-    """The target's next-token distribution at chosen positions, from features (exact logits or stored top-k)."""
+    """The target's next-token distribution at the positions a loss needs (``positions`` [B, T] bool).
 
-    def __init__(self, batch: dict, lm_head_weight: torch.Tensor, softcap: float | None):
+    Exact (dense) mode computes the target's logits once for all those positions (the loss steps and heads that
+    reuse a position index into one table, instead of re-running the LM head); ``draft_ids`` [V'] restricts the
+    distribution to a draft vocabulary and renormalises it. Stored top-k mode reads ``topk_logprobs``/``topk_ids``.
+    """
+
+    def __init__(self, batch: dict, positions: torch.Tensor, lm_head_weight: torch.Tensor, softcap: float | None,
+                 draft_ids: torch.Tensor | None = None):
         self.batch = batch
-        self.lm_head_weight = lm_head_weight
-        self.softcap = softcap
+        self.sparse = "topk_ids" in batch
+        if self.sparse:
+            return
+        rows, cols = positions.nonzero(as_tuple=True)
+        self.index = torch.full(positions.shape, -1, dtype=torch.long, device=positions.device)
+        self.index[rows, cols] = torch.arange(rows.numel(), device=positions.device)
+        with torch.no_grad():
+            logits = F.linear(batch["hidden"][rows, cols].float(), lm_head_weight.float())
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            self.greedy_table = logits.argmax(-1)  # [N] the target's greedy token (full vocabulary)
+            if draft_ids is not None:
+                logits = logits[:, draft_ids]
+            self.logprob_table = F.log_softmax(logits, dim=-1)  # [N, V or V']
 
-    @property
-    def sparse(self) -> bool:
-        return "topk_ids" in self.batch
+    def _lookup(self, rows, cols) -> torch.Tensor:
+        index = self.index[rows, cols]
+        if bool((index < 0).any()):
+            raise IndexError("target distribution asked for a position outside the positions it was built for")
+        return index
 
-    def logits(self, rows: torch.Tensor, cols: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.batch["hidden"] if hidden is None else hidden
-        logits = F.linear(hidden[rows, cols].float(), self.lm_head_weight.float())
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
-
-    def greedy(self, rows, cols, dense_logits: torch.Tensor | None = None) -> torch.Tensor:
+    def greedy(self, rows, cols) -> torch.Tensor:
         if self.sparse:
             return self.batch["topk_ids"][rows, cols, 0]
-        return dense_logits.argmax(-1)
+        return self.greedy_table[self._lookup(rows, cols)]
 
-    def cross_entropy(self, draft_logits: torch.Tensor, rows, cols, dense_logits: torch.Tensor | None = None,
+    def cross_entropy(self, draft_logits: torch.Tensor, rows, cols,
                       target_to_draft: torch.Tensor | None = None) -> torch.Tensor:
-        """Soft CE [N] of draft logits [N, V'] against p at (rows, cols); restricted to the draft vocabulary when
-        ``target_to_draft`` [V] is given (dense: renormalised over the draft ids; sparse: top-k ids mapped)."""
+        """Soft CE [N] of draft logits [N, V'] against p at (rows, cols); sparse mode maps the top-k ids through
+        ``target_to_draft`` [V] (ids outside the draft vocabulary drop out)."""
         if self.sparse:
             logprobs = self.batch["topk_logprobs"][rows, cols]
             ids = self.batch["topk_ids"][rows, cols]
@@ -57,9 +70,7 @@ class TargetDistribution:
                 ids = target_to_draft[ids]
                 logprobs = logprobs.masked_fill(ids < 0, float("-inf"))
             return sparse_soft_cross_entropy(draft_logits, logprobs, ids)
-        if target_to_draft is not None:
-            dense_logits = dense_logits[:, target_to_draft >= 0]  # draft ids are ordered by target id
-        return soft_cross_entropy(draft_logits, F.log_softmax(dense_logits, dim=-1))
+        return soft_cross_entropy(draft_logits, self.logprob_table[self._lookup(rows, cols)])
 
 
 def _mean(values: torch.Tensor) -> torch.Tensor:
@@ -96,15 +107,15 @@ class HeadObjective(nn.Module):
                                             inputs.dtype)
         positions = torch.arange(length - 1, device=ids.device)[None].expand(batch_size, -1)
         hidden = self.head.hidden_states(ids[:, 1:], inputs, positions)
-        rows, cols = next_token_mask(batch["assistant_mask"])[:, 1:].nonzero(as_tuple=True)
+        predict = next_token_mask(batch["assistant_mask"])
+        rows, cols = predict[:, 1:].nonzero(as_tuple=True)
         predicted = hidden[rows, cols]
         feature_loss = _mean(feature_regression_loss(predicted, features[rows, cols + 1]))
-        target = TargetDistribution(batch, self.target_lm_head_weight, self.softcap)
-        target_logits = None if target.sparse else target.logits(rows, cols + 1)
+        target = TargetDistribution(batch, predict, self.target_lm_head_weight, self.softcap)
         logits = self.head.logits(predicted)
-        ce = _mean(target.cross_entropy(logits, rows, cols + 1, target_logits))
+        ce = _mean(target.cross_entropy(logits, rows, cols + 1))
         loss = conf.feature_weight * feature_loss + conf.ce_weight * ce
-        agree = logits.argmax(-1) == target.greedy(rows, cols + 1, target_logits)
+        agree = logits.argmax(-1) == target.greedy(rows, cols + 1)
         return loss, {"loss": loss.detach(), "feature_loss": feature_loss.detach(), "ce": ce.detach(),
                       "acc": agree.float().sum() / max(agree.numel(), 1), "tokens": torch.tensor(float(rows.numel()))}
 
@@ -113,9 +124,10 @@ class HeadObjective(nn.Module):
         conf = self.conf
         ids = batch["input_ids"]
         batch_size, length = ids.shape
-        target = TargetDistribution(batch, self.target_lm_head_weight, self.softcap)
-        to_draft = target_to_draft_ids(self.head.d2t, self.head.t2d.shape[0])
         predict = next_token_mask(batch["assistant_mask"])
+        target = TargetDistribution(batch, predict, self.target_lm_head_weight, self.softcap,
+                                    draft_ids=self.head.draft_to_target)
+        to_draft = target_to_draft_ids(self.head.d2t, self.head.t2d.shape[0])
         cache = ChainCache()
         hidden = batch["layer_hidden"]
         loss = 0.0
@@ -126,11 +138,10 @@ class HeadObjective(nn.Module):
             hidden = self.head.hidden_states(shift_left(ids, step + 1, self.pad_id), hidden, positions, mask, cache)
             rows, cols = shift_left(predict, step + 1, False).nonzero(as_tuple=True)
             target_cols = cols + step + 1
-            target_logits = None if target.sparse else target.logits(rows, target_cols)
-            greedy = target.greedy(rows, target_cols, target_logits)
-            in_vocab = self.head.t2d[greedy]  # positions whose target token the draft vocabulary cannot express
+            greedy = target.greedy(rows, target_cols)
+            in_vocab = self.head.t2d[greedy]  # False where the draft vocabulary cannot express the target's token
             logits = self.head.logits(hidden[rows, cols])
-            ce = target.cross_entropy(logits, rows, target_cols, target_logits, to_draft)
+            ce = target.cross_entropy(logits, rows, target_cols, to_draft)
             step_loss = (ce * in_vocab).sum() / max(int(in_vocab.sum()), 1)
             loss = loss + weight * step_loss
             agree = (logits.argmax(-1) == to_draft[greedy]) & in_vocab
@@ -146,7 +157,7 @@ class HeadObjective(nn.Module):
         conf = self.conf
         ids = batch["input_ids"]
         predict = next_token_mask(batch["assistant_mask"])
-        teacher = TargetDistribution(batch, self.target_lm_head_weight, self.softcap)
+        teacher = TargetDistribution(batch, predict, self.target_lm_head_weight, self.softcap)
         if self.lora_target is not None:
             hidden = self.lora_target.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
         else:
@@ -155,13 +166,12 @@ class HeadObjective(nn.Module):
         stats = {}
         for index, weight in enumerate(decay_weights(self.head.num_heads, conf.loss_decay)):
             rows, cols = shift_left(predict, 1 + index, False).nonzero(as_tuple=True)
-            target_logits = None if teacher.sparse else teacher.logits(rows, cols + 1 + index)
             logits = self.head.head_logits(index, hidden[rows, cols])
-            head_loss = _mean(teacher.cross_entropy(logits, rows, cols + 1 + index, target_logits))
+            head_loss = _mean(teacher.cross_entropy(logits, rows, cols + 1 + index))
             loss = loss + weight * head_loss
             stats[f"ce_{index}"] = head_loss.detach()
             if index == 0:
-                agree = logits.argmax(-1) == teacher.greedy(rows, cols + 1 + index, target_logits)
+                agree = logits.argmax(-1) == teacher.greedy(rows, cols + 1 + index)
                 stats["acc"] = agree.float().sum() / max(agree.numel(), 1)
                 stats["tokens"] = torch.tensor(float(rows.numel()))
         if self.lora_target is not None:  # Medusa-2 keeps the target's own next-token loss
