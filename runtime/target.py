@@ -170,6 +170,13 @@ def resolve_target(name_or_path: str) -> tuple[str, Path | None]:
     return name_or_path, None
 
 
+def same_model_identities(identity: str) -> set[str]:
+    """``identity`` and every alias naming the same weights (heads trained for one alias fit the others)."""
+    if identity not in ALIASES:
+        return {identity}
+    return {alias for alias, packaged in ALIASES.items() if packaged == ALIASES[identity]}
+
+
 def load_target(name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "float32",
                 device: str | torch.device = "cpu", trust_remote_code: bool = False, quiet: bool = False,
                 attn_implementation: str | None = None) -> Target:

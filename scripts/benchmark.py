@@ -62,11 +62,16 @@ class ForwardCounter:
         self.count += 1
 
 
-def run_hf(model, counter, ids, method, max_new_tokens, eos):
+def run_hf(model, counter, ids, method, max_new_tokens, eos, temperature=0.0, seed=0):
     extra = {"prompt_lookup_num_tokens": 10} if method == "hf-pld" else {}
+    if temperature > 0:  # plain temperature sampling, as our decoder does (no top-k/top-p from generation_config)
+        extra.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        torch.manual_seed(seed)
+    else:
+        extra.update(do_sample=False)
     before = counter.count
     started = time.perf_counter()
-    out = model.generate(ids[None].to(model.device), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+    out = model.generate(ids[None].to(model.device), max_new_tokens=max_new_tokens, eos_token_id=eos,
                          pad_token_id=eos[0], **extra)
     seconds = time.perf_counter() - started
     return out[0, ids.numel():].tolist(), seconds, counter.count - before, None
@@ -77,12 +82,64 @@ def run_ours(decoder, ids, max_new_tokens, temperature, seed):
     return result.tokens, result.seconds, result.target_forwards, result
 
 
+def default_methods(target_name: str, draft_model: str | None) -> list[str]:
+    """The Step 1 methods, the heads shipped for this target, and ``draft`` when a draft model is given."""
+    from heads.shipped import find_shipped
+    from runtime.target import same_model_identities
+
+    methods = list(DEFAULT_METHODS)
+    for kind in ("eagle3", "eagle", "medusa"):
+        if find_shipped(kind, same_model_identities(target_name)) is not None:
+            methods.append(kind)
+    return methods + (["draft"] if draft_model else [])
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first position where two token lists differ (None when equal)."""
+    for index, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@torch.inference_mode()
+def divergence_report(records, encoded, model, reference, methods) -> dict:
+    """For each output that differs from HF greedy: is the first divergence a near-tie?
+
+    At the first differing position both tokens are scored by one plain forward of the benchmark's model (its dtype)
+    and of ``reference`` (float32). It is a near-tie when the float32 gap between the two tokens' logits is within
+    twice the low-precision rounding error of those logits at that position, i.e. rounding alone can reorder them.
+    """
+    report = {}
+    for name in methods:
+        cases = []
+        for record, ids in zip(records, encoded):
+            ours, base = record["outputs"][name], record["outputs"]["hf-greedy"]
+            index = first_divergence(ours, base)
+            if index is None or index >= min(len(ours), len(base)):
+                continue
+            prefix = torch.cat([ids, torch.tensor(base[:index], dtype=ids.dtype)])[None]
+            low = model(prefix.to(model.device)).logits[0, -1].float().cpu()
+            high = reference(prefix.to(reference.device)).logits[0, -1].float().cpu()
+            a, b = ours[index], base[index]
+            error = max(abs(float(low[a] - high[a])), abs(float(low[b] - high[b])))
+            gap32 = abs(float(high[a] - high[b]))
+            top2 = low.topk(2).values
+            cases.append({"id": record["id"], "position": index, "ours": a, "hf": b, "fp32_gap": gap32,
+                          "rounding_error": error, "top2_gap": float(top2[0] - top2[1]),
+                          "near_tie": gap32 <= 2 * error})
+        if cases:
+            report[name] = {"divergent": len(cases), "near_ties": sum(c["near_tie"] for c in cases),
+                            "max_fp32_gap": max(c["fp32_gap"] for c in cases), "cases": cases}
+    return report
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--methods", help=f"comma-separated (default: {','.join(DEFAULT_METHODS)}, plus draft "
-                                          "when --draft-model is given); heads as medusa:DIR, eagle:DIR, "
-                                          "eagle3:DIR")
+    parser.add_argument("--methods", help=f"comma-separated (default: {','.join(DEFAULT_METHODS)}, the heads "
+                                          "shipped for the target, and draft when --draft-model is given); heads "
+                                          "as medusa:DIR, eagle:DIR, eagle3:DIR (medusa alone: the shipped head)")
     parser.add_argument("--draft-model")
     parser.add_argument("--prompts", help="JSONL prompts (default: MT-bench first turns)")
     parser.add_argument("--limit", type=int)
@@ -98,7 +155,7 @@ def parse_args(argv=None):
 
 
 def markdown_table(summary: dict) -> str:
-    lines = ["| method | tokens/s | tau | speedup vs HF greedy | identical to HF greedy |",
+    lines = ["| method | tokens/s | tau | speedup vs HF generate | identical to HF greedy |",
              "|---|---:|---:|---:|---:|"]
     for name, row in summary.items():
         identical = "n/a" if row["identical"] is None else f"{row['identical']:.0%}"
@@ -130,8 +187,7 @@ def plot_histograms(stats: dict[str, MethodStats], path: Path) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    methods = args.methods.split(",") if args.methods else list(DEFAULT_METHODS) + (
-        ["draft"] if args.draft_model else [])
+    methods = args.methods.split(",") if args.methods else default_methods(args.target, args.draft_model)
     if "hf-greedy" not in methods:
         methods.insert(0, "hf-greedy")  # the baseline every ratio refers to
     prompts = read_prompts(args.prompts, args.limit)
@@ -148,7 +204,7 @@ def main(argv=None) -> int:
 
     def run(name, ids, max_new_tokens):
         if name in HF_METHODS:
-            return run_hf(stock, counter, ids, name, max_new_tokens, eos)
+            return run_hf(stock, counter, ids, name, max_new_tokens, eos, args.temperature, args.seed)
         return run_ours(decoders[name], ids, max_new_tokens, args.temperature, args.seed)
 
     encoded = [encode_prompt(target.tokenizer, p["prompt"]) for p in prompts]
@@ -195,8 +251,17 @@ def main(argv=None) -> int:
               len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
               "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.processor() or
               platform.machine()}
+    divergences = {}
+    if args.temperature == 0 and any(row["identical"] < 1 for row in summary.values()):
+        reference = stock if args.dtype == "float32" else load_target(
+            args.target, dtype="float32", device=args.device, attn_implementation="sdpa", quiet=True).model
+        divergences = divergence_report(records, encoded, stock, reference, [m for m in methods if m != "hf-greedy"])
+        for name, row in divergences.items():
+            print(f"{name}: {row['divergent']} outputs differ from HF greedy, {row['near_ties']} of them at a "
+                  f"near-tie (largest float32 logit gap {row['max_fp32_gap']:.4f})", file=sys.stderr)
     output = Path(args.output)
-    output.write_text(json.dumps({"methods": summary, "config": config, "records": records}, indent=1))
+    output.write_text(json.dumps({"methods": summary, "config": config, "divergences": divergences,
+                                  "records": records}, indent=1))
     plot_histograms(stats, Path(args.plot) if args.plot else output.with_suffix(".png"))
     print(markdown_table(summary))
     print(f"\n{len(prompts)} prompts, {args.max_new_tokens} new tokens, temperature {args.temperature}, "

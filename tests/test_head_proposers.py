@@ -117,5 +117,5 @@ def test_saved_heads_load_into_proposers_by_name(tmp_path):
         assert SpeculativeDecoder(target, proposer, tree_tokens=8).generate(PROMPTS[1], 30).tokens == reference
     with pytest.raises(ValueError, match="holds a medusa head"):
         build_proposer(f"eagle:{medusa_dir}", target)
-    with pytest.raises(ValueError, match="needs --head"):
+    with pytest.raises(ValueError, match="needs --head DIR .* no eagle3 head ships for target 'tiny'"):
         build_proposer("eagle3", target)

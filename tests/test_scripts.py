@@ -66,3 +66,27 @@ def test_missing_local_model_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="unknown dtype"):
         load_target("smollm2-135m", dtype="float8")
     assert torch.get_num_threads() >= 1
+
+
+def test_first_divergence():
+    from scripts.benchmark import first_divergence
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_divergence_report_scores_the_first_differing_token(tiny_dir):
+    from scripts.benchmark import divergence_report
+
+    model = load_target(str(tiny_dir), attn_implementation="sdpa", quiet=True).model
+    ids = torch.tensor([5, 6, 7])
+    logits = model(ids[None]).logits[0, -1]
+    best, other = logits.topk(2).indices.tolist()
+    records = [{"id": 0, "outputs": {"hf-greedy": [best, 1], "x": [other, 1]}},
+               {"id": 1, "outputs": {"hf-greedy": [best], "x": [best]}}]
+    report = divergence_report(records, [ids, ids], model, model, ["x"])
+    case = report["x"]["cases"][0]
+    assert report["x"]["divergent"] == 1 and case["position"] == 0 and (case["ours"], case["hf"]) == (other, best)
+    assert case["fp32_gap"] == pytest.approx(float(logits[best] - logits[other]), abs=1e-5)
+    assert case["rounding_error"] == 0.0 and case["near_tie"] == (case["fp32_gap"] == 0.0)

@@ -52,7 +52,26 @@ def test_short_run_lowers_loss_and_raises_acceptance(tiny, tmp_path, head):
     assert float(last[2]) < float(first[2]), "held-out loss did not fall"
     assert float(last[3]) > float(first[3]), "acc@1 did not rise over the untrained head"
     assert (tmp_path / "run" / "curves.png").stat().st_size > 0
-    assert (tmp_path / "run" / "head" / "config.json").is_file()
+    saved = json.loads((tmp_path / "run" / "head" / "config.json").read_text())
+    assert saved["tree"]["acceptance"] == summary["final_eval"]["acc"]  # runtime tree calibration
+    assert saved["training"]["config"]["trainer"]["max_steps"] == 24  # how the head was trained
+    if head == "medusa":
+        check_shipping(tmp_path / "run", tmp_path / "shipped", tiny[0])
+
+
+def check_shipping(run_dir: Path, into: Path, target_dir: Path) -> None:
+    """scripts/ship_head.py stores the head in bf16 with its training record; it loads into a proposer."""
+    from runtime.proposers import build_proposer
+    from runtime.target import load_target
+    from scripts.ship_head import main
+
+    assert main([str(run_dir), "tiny-medusa", "--into", str(into), "--train-seconds", "12"]) == 0
+    shipped = into / "tiny-medusa"
+    config = json.loads((shipped / "config.json").read_text())
+    assert config["training"]["wall_seconds"] == 12 and config["training"]["command"].startswith("python training/")
+    assert all(t.dtype == torch.bfloat16 for t in load_file(str(shipped / "model.safetensors")).values())
+    proposer = build_proposer("medusa", load_target(str(target_dir)), head=str(shipped))
+    assert proposer.head_accuracy == config["tree"]["acceptance"]
 
 
 def test_offline_features_match_online(tiny, tmp_path):

@@ -219,8 +219,11 @@ def run(conf: TrainConfig) -> dict:
                 if peft_model is not None:
                     def write_extra(directory: Path) -> None:
                         peft_model.save_pretrained(str(directory / "target_lora"))
-                save_head(engine.module.head, run_dir / "head", signature, tree={"depth": depth},
-                          training={"step": step, "head": dataclasses.asdict(conf.head), "data": conf.data.source,
+                tree = {"depth": depth}
+                if history:  # Medusa calibrates its static tree from these; EAGLE reports them
+                    tree["acceptance"] = history[-1]["acc"]
+                save_head(engine.module.head, run_dir / "head", signature, tree=tree,
+                          training={"step": step, "config": dataclasses.asdict(conf),
                                     "target_lora": "target_lora" if peft_model is not None else None},
                           write_extra=write_extra)
         ds.barrier()

@@ -33,10 +33,25 @@ def load_head_proposer(kind: str, head_dir: str, target) -> Proposer:
     return EagleProposer(head, target, depth=int(tree.get("depth", 6)))
 
 
+def default_head(kind: str, target) -> str:
+    """The shipped ``kind`` head for ``target`` (heads/shipped), or a ValueError saying what to pass instead."""
+    from heads.shipped import find_shipped, shipped_heads
+    from runtime.target import same_model_identities
+
+    found = find_shipped(kind, same_model_identities(target.identity))
+    if found is None:
+        shipped = ", ".join(f"{t} for {i}" for _, t, i in shipped_heads()) or "none"
+        raise ValueError(f"--proposer {kind} needs --head DIR (a trained {kind} head directory): no {kind} head ships "
+                         f"for target {target.identity!r} (shipped: {shipped}). Train one with "
+                         f"`python training/train.py head={kind} target.name=...`.")
+    return str(found)
+
+
 def build_proposer(name: str, target, draft_model: str | None = None, dtype=None,
                    head: str | None = None) -> Proposer:
     """``none``, ``ngram``, ``draft`` (needs ``draft_model``: an HF id, dir, .gguf or alias), or a head proposer
-    ``medusa`` / ``eagle`` / ``eagle3`` (needs ``head``: a head directory). ``kind:DIR`` is accepted too."""
+    ``medusa`` / ``eagle`` / ``eagle3`` (``head``: a head directory; default: the head shipped for the target, see
+    heads/shipped). ``kind:DIR`` is accepted too."""
     if ":" in name and head is None:
         name, head = name.split(":", 1)
     if name == "none":
@@ -51,11 +66,11 @@ def build_proposer(name: str, target, draft_model: str | None = None, dtype=None
         draft = load_target(draft_model, dtype=dtype or target.dtype, device=target.device)
         return DraftModelProposer(draft, target)
     if name in HEAD_PROPOSERS:
-        if not head:
-            raise ValueError(f"--proposer {name} needs --head DIR (a trained {name} head directory)")
+        head = head or default_head(name, target)
         return load_head_proposer(name, head, target)
     raise ValueError(f"unknown proposer {name!r}; choose one of {', '.join(PROPOSER_NAMES)}")
 
 
 __all__ = ["NoProposer", "Proposer", "ProposeInput", "DraftModelProposer", "NgramProposer", "build_proposer",
-           "PROPOSER_NAMES", "HEAD_PROPOSERS", "load_head_proposer"]
+           "PROPOSER_NAMES", "HEAD_PROPOSERS", "load_head_proposer",
+           "default_head"]

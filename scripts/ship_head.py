@@ -1,0 +1,72 @@
+"""Copy a trained head into the package (heads/shipped/NAME) as the default for its target.
+
+    python scripts/ship_head.py runs/smollm2-eagle3 smollm2-135m-eagle3 --train-seconds 4500
+
+Weights are stored in bfloat16 (the runtime casts them to the target's dtype on load). The config keeps everything
+the training run recorded and adds the command line, the wall time and the final held-out acceptance, which also
+becomes the head's default tree calibration (``tree.acceptance``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
+
+from heads.io import CONFIG_NAME, WEIGHTS_NAME, atomic_directory, read_head_config  # noqa: E402
+from heads.shipped import SHIPPED_DIR  # noqa: E402
+from runtime.target import parse_dtype  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path, help="OUTPUT_DIR of a finished training run (holds head/)")
+    parser.add_argument("name", help="directory name under heads/shipped, e.g. smollm2-135m-eagle3")
+    parser.add_argument("--dtype", default="bfloat16", help="storage dtype of the weights")
+    parser.add_argument("--into", type=Path, default=SHIPPED_DIR, help="parent directory (default: heads/shipped)")
+    parser.add_argument("--train-seconds", type=float, help="wall time of the training run, recorded in the config")
+    args = parser.parse_args(argv)
+
+    head_dir = args.run_dir / "head"
+    config = read_head_config(head_dir)
+    summary_path = args.run_dir / "summary.json"
+    if not summary_path.is_file():
+        raise SystemExit(f"{summary_path} is missing: ship only a finished run (training writes it at the end)")
+    summary = json.loads(summary_path.read_text())
+    overrides_path = args.run_dir / ".hydra" / "overrides.yaml"
+    overrides = yaml.safe_load(overrides_path.read_text()) if overrides_path.is_file() else []
+    final = summary.get("final_eval") or {}
+    if final.get("acc"):
+        config["tree"]["acceptance"] = final["acc"]
+    config["training"].update({
+        "command": "python training/train.py " + " ".join(overrides),
+        "wall_seconds": args.train_seconds,
+        "tokens_per_s_median": summary.get("tokens_per_s_median"),
+        "final_eval": final,
+    })
+    dtype = parse_dtype(args.dtype)
+    state = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+             for name, tensor in load_file(str(head_dir / WEIGHTS_NAME)).items()}
+
+    def fill(tmp: Path) -> None:
+        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        curves = args.run_dir / "curves.png"
+        if curves.is_file():
+            shutil.copy(curves, tmp / "curves.png")
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+
+    out = atomic_directory(args.into / args.name, fill)
+    size = (out / WEIGHTS_NAME).stat().st_size / 2**20
+    print(f"shipped {config['head_type']} head to {out} ({size:.1f} MiB, tau {final.get('tau', float('nan')):.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
