@@ -121,3 +121,14 @@ def test_serving_export_layouts(tmp_path):
     keys = set(load_file(str(tmp_path / "m" / "model.safetensors")))
     assert config["model_type"] == "medusa" and config["num_heads"] == 3 and config["num_hidden_layers"] == 2
     assert {"blocks.0.layers.1.weight", "blocks.2.layers.0.bias", "lm_heads.2.weight"} <= keys
+
+
+@pytest.mark.parametrize("kind", ["medusa", "medusa-own-heads"])
+def test_batched_medusa_logits_equal_per_head_logits(kind):
+    heads = perturb(make_head(kind, tiny_target()))
+    hidden = torch.randn(32)
+    with torch.no_grad():
+        batched = heads.first_heads_logits(hidden, 2)
+        separate = torch.stack([heads.head_logits(i, hidden) for i in range(2)])
+    assert batched.shape == (2, 64)
+    torch.testing.assert_close(batched, separate)

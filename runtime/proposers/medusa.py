@@ -64,7 +64,7 @@ class MedusaProposer:
                              f"nodes; pass tree_tokens={len(choices) + 1}")
         depth = max(len(c) for c in choices)
         last_hidden = step.new_hidden[-1]
-        logits = torch.stack([self.heads.head_logits(i, last_hidden) for i in range(depth)])  # [D, V]
+        logits = self.heads.first_heads_logits(last_hidden, depth)  # [D, V]
         ranks = max(c[-1] for c in choices) + 1
         candidates = logits.topk(ranks, dim=-1).indices  # [D, ranks]
         # Siblings carry distinct ranks of one head, hence distinct tokens: no duplicate branches.
