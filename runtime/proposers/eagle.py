@@ -69,10 +69,10 @@ class EagleProposer:
             raise RuntimeError(f"EAGLE head has {done} rows and got {count} new features for a history of {context}")
         tokens = history[done + 1: context]
         positions = torch.arange(done, done + count, device=history.device)
-        hidden, logits = head(tokens[None], features[None], positions[None], causal_rows_mask(done, count,
-                                                                                             history.device), cache)
+        hidden = head.hidden_states(tokens[None], features[None], positions[None],
+                                    causal_rows_mask(done, count, history.device), cache)
         cache.commit(count)
-        root_hidden = hidden[0, -1]
+        root_hidden = hidden[0, -1]  # only the newest row drafts: one row through the LM head, not all of them
         depth = min(self.depth, step.budget - 1)
         root = int(history[-1])
         if depth <= 0:
@@ -87,7 +87,7 @@ class EagleProposer:
             state.node_hidden[node_ids] = out_hidden[0]
             return torch.log_softmax(out_logits[0].float(), dim=-1)
 
-        root_logprobs = torch.log_softmax(logits[0, -1].float(), dim=-1)
+        root_logprobs = torch.log_softmax(head.logits(root_hidden).float(), dim=-1)
         tree = build_dynamic_tree(root, root_logprobs, cache.max_committed, forward_frontier, depth, self.top_k,
                                   step.budget, self.token_map)
         cache.crop(context - 1)
