@@ -41,3 +41,23 @@ def test_sampling_runs_and_is_reproducible(targets):
     first = decoder.generate(ids, 24, temperature=0.8, top_p=0.9, seed=7).tokens
     assert first == decoder.generate(ids, 24, temperature=0.8, top_p=0.9, seed=7).tokens
     assert len(first) > 0 and all(0 <= t < target.vocab_size for t in first)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_shipped_heads_are_the_default_and_lossless(targets, kind):
+    from heads.shipped import SHIPPED_DIR
+    from runtime.proposers import build_proposer
+
+    target, stock = targets
+    proposer = build_proposer(kind, target)  # no head given: the one shipped for the default target
+    assert proposer.name == kind
+    prompts = read_prompts(limit=2)
+    accepted = []
+    for item in prompts:
+        ids = encode_prompt(target.tokenizer, item["prompt"])
+        reference = stock.generate(ids[None], max_new_tokens=48, do_sample=False)[0, ids.numel():].tolist()
+        result = SpeculativeDecoder(target, proposer).generate(ids, 48)
+        assert result.tokens == reference
+        accepted.extend(result.accept_lengths)
+    assert sum(accepted) / len(accepted) > 1.2, "the shipped head barely drafts anything acceptable"
+    assert (SHIPPED_DIR / f"smollm2-135m-{kind}" / "model.safetensors").stat().st_size < 32 * 2**20
