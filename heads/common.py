@@ -82,3 +82,22 @@ def frozen_target_weights(target_model) -> tuple[torch.Tensor, torch.Tensor]:
     embed = target_model.get_input_embeddings().weight.detach()
     lm_head = target_model.get_output_embeddings().weight.detach()
     return embed, lm_head
+
+
+# Row counts up to which ``vocab_logits`` computes weight @ hidden^T (measured on a 2-core x86 CPU with a 49k x 576
+# LM head: 1.2-2x faster than the hidden @ weight^T product F.linear uses, which wins again beyond a few rows).
+WEIGHT_MAJOR_MAX_ROWS = 4
+
+
+def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden [..., H] @ weight [V, H]^T -> logits [..., V]; equal to ``F.linear(hidden, weight)``.
+
+    Decoding projects one to a few rows onto a large vocabulary: a memory-bound product whose speed on CPU depends
+    on the BLAS call's operand order. Few rows go through ``weight @ hidden^T``, the rest through F.linear.
+    """
+    weight = weight.to(hidden.dtype)
+    rows = hidden.numel() // hidden.shape[-1]
+    if rows > WEIGHT_MAJOR_MAX_ROWS or hidden.device.type != "cpu" or torch.is_grad_enabled():
+        return torch.nn.functional.linear(hidden, weight)
+    flat = hidden.reshape(rows, hidden.shape[-1])
+    return torch.mm(weight, flat.t()).t().reshape(*hidden.shape[:-1], weight.shape[0])

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.common import head_layer_config, stock_classes
+from heads.common import head_layer_config, stock_classes, vocab_logits
 
 KINDS = ("eagle", "eagle3")
 
@@ -180,11 +180,11 @@ class EagleHead(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V_draft] (EAGLE-1: the target's vocabulary)."""
         if self.kind == "eagle":
-            logits = F.linear(hidden, self.target_lm_head_weight.to(hidden.dtype))
+            logits = vocab_logits(hidden, self.target_lm_head_weight)
             if self.softcap:
                 logits = torch.tanh(logits / self.softcap) * self.softcap
             return logits
-        return self.lm_head(self.norm(hidden))
+        return vocab_logits(self.norm(hidden), self.lm_head.weight)
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, cache=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from heads.common import vocab_logits
+
 
 @dataclass
 class MedusaConfig:
@@ -99,7 +101,7 @@ class MedusaHeads(nn.Module):
         if self.target_lm_head_weight.numel() == 0:
             raise RuntimeError("shared-LM-head Medusa has no target LM head attached; load it with "
                                "load_head(dir, target_model)")
-        return self._softcap(F.linear(hidden, self.target_lm_head_weight.to(hidden.dtype)))
+        return self._softcap(vocab_logits(hidden, self.target_lm_head_weight))
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         if self.softcap:

@@ -132,3 +132,14 @@ def test_batched_medusa_logits_equal_per_head_logits(kind):
         separate = torch.stack([heads.head_logits(i, hidden) for i in range(2)])
     assert batched.shape == (2, 64)
     torch.testing.assert_close(batched, separate)
+
+
+@pytest.mark.parametrize("shape", [(32,), (1, 32), (3, 32), (2, 3, 32), (1, 9, 32)])
+def test_vocab_logits_equals_linear(shape):
+    from heads.common import vocab_logits
+
+    weight = torch.randn(64, 32)
+    hidden = torch.randn(*shape)
+    with torch.inference_mode():
+        fast = vocab_logits(hidden, weight)
+    torch.testing.assert_close(fast, torch.nn.functional.linear(hidden, weight), rtol=1e-5, atol=1e-5)
