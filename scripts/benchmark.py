@@ -26,7 +26,7 @@ from runtime.prompts import encode_prompt, read_prompts
 from runtime.proposers import build_proposer
 from runtime.target import DEFAULT_TARGET, load_target
 
-HF_METHODS = ("hf-greedy", "hf-pld")
+HF_METHODS = ("hf-greedy", "hf-pld", "hf-assisted")  # hf-assisted: HF assisted generation with --draft-model
 DEFAULT_METHODS = ("hf-greedy", "hf-pld", "none", "ngram")
 
 
@@ -62,8 +62,10 @@ class ForwardCounter:
         self.count += 1
 
 
-def run_hf(model, counter, ids, method, max_new_tokens, eos, temperature=0.0, seed=0):
+def run_hf(model, counter, ids, method, max_new_tokens, eos, temperature=0.0, seed=0, assistant=None):
     extra = {"prompt_lookup_num_tokens": 10} if method == "hf-pld" else {}
+    if method == "hf-assisted":
+        extra["assistant_model"] = assistant
     if temperature > 0:  # plain temperature sampling, as our decoder does (no top-k/top-p from generation_config)
         extra.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
         torch.manual_seed(seed)
@@ -83,7 +85,8 @@ def run_ours(decoder, ids, max_new_tokens, temperature, seed):
 
 
 def default_methods(target_name: str, draft_model: str | None) -> list[str]:
-    """The Step 1 methods, the heads shipped for this target, and ``draft`` when a draft model is given."""
+    """The Step 1 methods, the heads shipped for this target, and ``draft`` and ``hf-assisted`` (HF assisted
+    generation) when a draft model is given."""
     from heads.shipped import find_shipped
     from runtime.target import same_model_identities
 
@@ -91,7 +94,7 @@ def default_methods(target_name: str, draft_model: str | None) -> list[str]:
     for kind in ("eagle3", "eagle", "medusa"):
         if find_shipped(kind, same_model_identities(target_name)) is not None:
             methods.append(kind)
-    return methods + (["draft"] if draft_model else [])
+    return methods + (["draft", "hf-assisted"] if draft_model else [])
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -138,7 +141,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--methods", help=f"comma-separated (default: {','.join(DEFAULT_METHODS)}, the heads "
-                                          "shipped for the target, and draft when --draft-model is given); heads "
+                                          "shipped for the target, and draft,hf-assisted when --draft-model is given); heads "
                                           "as medusa:DIR, eagle:DIR, eagle3:DIR (medusa alone: the shipped head)")
     parser.add_argument("--draft-model")
     parser.add_argument("--prompts", help="JSONL prompts (default: MT-bench first turns)")
@@ -195,6 +198,12 @@ def main(argv=None) -> int:
     stock = load_target(args.target, dtype=args.dtype, device=args.device, attn_implementation="sdpa",
                         quiet=True).model
     counter = ForwardCounter(stock)
+    assistant = None
+    if "hf-assisted" in methods:
+        if not args.draft_model:
+            raise SystemExit("hf-assisted needs --draft-model (a smaller model with the target's tokenizer)")
+        assistant = load_target(args.draft_model, dtype=args.dtype, device=args.device, attn_implementation="sdpa",
+                                quiet=True).model
     eos = sorted(target.eos_token_ids)
     decoders = {}
     for name in methods:
@@ -204,7 +213,7 @@ def main(argv=None) -> int:
 
     def run(name, ids, max_new_tokens):
         if name in HF_METHODS:
-            return run_hf(stock, counter, ids, name, max_new_tokens, eos, args.temperature, args.seed)
+            return run_hf(stock, counter, ids, name, max_new_tokens, eos, args.temperature, args.seed, assistant)
         return run_ours(decoders[name], ids, max_new_tokens, args.temperature, args.seed)
 
     encoded = [encode_prompt(target.tokenizer, p["prompt"]) for p in prompts]

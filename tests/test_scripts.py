@@ -90,3 +90,16 @@ def test_divergence_report_scores_the_first_differing_token(tiny_dir):
     assert report["x"]["divergent"] == 1 and case["position"] == 0 and (case["ours"], case["hf"]) == (other, best)
     assert case["fp32_gap"] == pytest.approx(float(logits[best] - logits[other]), abs=1e-5)
     assert case["rounding_error"] == 0.0 and case["near_tie"] == (case["fp32_gap"] == 0.0)
+
+
+def test_benchmark_compares_with_hf_assisted_generation(tiny_dir, tmp_path):
+    from scripts.benchmark import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "one two one two"}))
+    out = tmp_path / "results.json"
+    assert main(["--target", str(tiny_dir), "--draft-model", str(tiny_dir), "--methods", "hf-assisted,draft",
+                 "--prompts", str(prompts), "--max-new-tokens", "12", "--tree-tokens", "4", "--output", str(out)]) == 0
+    methods = json.loads(out.read_text())["methods"]
+    assert set(methods) == {"hf-greedy", "hf-assisted", "draft"}
+    assert methods["hf-assisted"]["identical"] == 1.0 and methods["draft"]["identical"] == 1.0

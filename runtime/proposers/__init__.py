@@ -13,8 +13,8 @@ HEAD_PROPOSERS = ("medusa", "eagle", "eagle3")
 def load_head_proposer(kind: str, head_dir: str, target) -> Proposer:
     """A trained head from ``head_dir`` (the OUTPUT_DIR/head of a training run), checked against the target.
 
-    Tree defaults come from the head's config: ``depth`` for EAGLE, and the per-head acceptance measured during
-    training (``acceptance``, acc@1..K) to calibrate Medusa's static tree.
+    Tree defaults come from the head's config: ``depth`` and ``top_k`` for EAGLE, and the acceptance measured during
+    training (``acceptance``, acc@1..K), which calibrates Medusa's static tree and sizes EAGLE's verified tree.
     """
     from heads.io import load_head, read_head_config
 
@@ -30,7 +30,9 @@ def load_head_proposer(kind: str, head_dir: str, target) -> Proposer:
         return MedusaProposer(head, head_accuracy=accuracy[: head.num_heads] if accuracy else None)
     from runtime.proposers.eagle import EagleProposer
 
-    return EagleProposer(head, target, depth=int(tree.get("depth", 6)))
+    accuracy = tree.get("acceptance")
+    return EagleProposer(head, target, depth=int(tree.get("depth", 6)), top_k=int(tree.get("top_k", 8)),
+                         expected_acceptance=accuracy[0] if accuracy else 0.6)
 
 
 def default_head(kind: str, target) -> str:
