@@ -224,3 +224,16 @@ def test_self_distillation_regenerates_replies_and_resumes(tiny, tmp_path):
     prepare_data.self_distill(out, 16, 2, 1, overrides)  # everything is done: nothing is appended
     assert out.read_text() == lines_before
     assert len(list(read_records("json", str(out), "train", None))) == 5
+
+
+def test_init_from_continues_a_trained_head(tiny, tmp_path):
+    first = run_config(tiny, tmp_path / "first", "eagle3", 8, ["trainer.lr=3e-3"])
+    again = run_config(tiny, tmp_path / "again", "eagle3", 1, [f"init_from={tmp_path / 'first' / 'head'}",
+                                                               "eval.at_start=true"])
+    start = json.loads((tmp_path / "again" / "summary.json").read_text())
+    assert first["final_eval"]["acc"] == pytest.approx(
+        [float(x) for x in (tmp_path / "again" / "curves.csv").read_text().splitlines()[1].split(",")[3:]],
+        abs=1e-4), "the continued run did not start from the saved head"
+    assert start["steps"] == 1 and again["final_eval"]["step"] == 1
+    with pytest.raises(ValueError, match="init_from=.* holds a eagle3 head"):
+        run_config(tiny, tmp_path / "wrong", "eagle", 1, [f"init_from={tmp_path / 'first' / 'head'}"])

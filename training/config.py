@@ -159,6 +159,7 @@ class TrainConfig:
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     output_dir: str = "runs/${head.type}"
     resume: bool = False
+    init_from: Optional[str] = None  # a head directory whose weights start this run (continue training a head)
 
 
 def register_configs() -> None:

@@ -55,6 +55,19 @@ def build_head(conf: TrainConfig, target, train_split) -> torch.nn.Module:
                                     shared_lm_head=head_conf.shared_lm_head), target.config, lm_head)
 
 
+def initial_head(directory: str, built: torch.nn.Module, target) -> torch.nn.Module:
+    """``init_from``: the head saved in ``directory`` (checked against the target) in place of a fresh one; its type
+    and architecture must be the configured head's, draft vocabulary included (it comes with the weights)."""
+    from heads.io import head_type_of, load_head
+
+    loaded = load_head(directory, target.model, identity=target.identity, tokenizer=target.tokenizer)
+    saved, wanted = dataclasses.asdict(loaded.config), dataclasses.asdict(built.config)
+    if head_type_of(loaded) != head_type_of(built) or saved != wanted:
+        raise ValueError(f"init_from={directory} holds a {head_type_of(loaded)} head with {saved}, but this run "
+                         f"configures a {head_type_of(built)} head with {wanted}; set the head options to match it")
+    return loaded.train()
+
+
 def resolve_feature_layers(conf: TrainConfig, num_layers: int) -> list[int]:
     """The target layers whose inputs an EAGLE-3 head fuses (empty for the other heads)."""
     if conf.head.type != "eagle3":
@@ -146,6 +159,8 @@ def run(conf: TrainConfig) -> dict:
     splits = load_splits(conf.data, tokenizer, dist.is_main, ds.barrier)
     train_split, val_split = splits["train"], splits["validation"]
     head = build_head(conf, target, train_split)
+    if conf.init_from:
+        head = initial_head(conf.init_from, head, target)
     feature_layers = head.feature_layers if conf.head.type == "eagle3" else []
 
     lora = getattr(conf.head, "lora", None)
