@@ -31,6 +31,8 @@ def main(argv=None) -> int:
     parser.add_argument("name", help="directory name under heads/shipped, e.g. smollm2-135m-eagle3")
     parser.add_argument("--dtype", default="bfloat16", help="storage dtype of the weights")
     parser.add_argument("--into", type=Path, default=SHIPPED_DIR, help="parent directory (default: heads/shipped)")
+    parser.add_argument("--depth", type=int, help="EAGLE: default draft depth of the runtime's tree")
+    parser.add_argument("--top-k", type=int, help="EAGLE: default top-k per tree level")
     parser.add_argument("--train-seconds", type=float, help="wall time of the training run, recorded in the config")
     args = parser.parse_args(argv)
 
@@ -45,6 +47,9 @@ def main(argv=None) -> int:
     final = summary.get("final_eval") or {}
     if final.get("acc"):
         config["tree"]["acceptance"] = final["acc"]
+    for key, value in (("depth", args.depth), ("top_k", args.top_k)):
+        if value is not None:
+            config["tree"][key] = value
     config["training"].update({
         "command": "python training/train.py " + " ".join(overrides),
         "wall_seconds": args.train_seconds,
