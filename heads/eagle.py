@@ -135,6 +135,17 @@ class EagleHead(nn.Module):
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
+    def init_output_from_target(self, lm_head_weight: torch.Tensor, final_norm_weight: torch.Tensor | None) -> None:
+        """EAGLE-3: start the draft LM head as the target's rows for the draft vocabulary, and the output norm as
+        the target's final norm. The head then only has to learn to produce target-like last hidden states; on a
+        small training budget this beats learning the vocabulary projection from scratch."""
+        if self.kind != "eagle3":
+            raise ValueError("only an EAGLE-3 head has its own LM head to initialise")
+        with torch.no_grad():
+            self.lm_head.weight.copy_(lm_head_weight[self.draft_to_target].to(self.lm_head.weight.dtype))
+            if final_norm_weight is not None and final_norm_weight.shape == self.norm.weight.shape:
+                self.norm.weight.copy_(final_norm_weight)
+
     def attach_target_weights(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None) -> None:
         """Point the frozen buffers at the target's embedding (and EAGLE-1 LM head); no copy when dtype/device match."""
         if embed_weight.shape[1] != self.hidden_size:

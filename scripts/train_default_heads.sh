@@ -21,7 +21,7 @@ timed() {  # timed SECONDS_FILE command...: runs the command, writes its wall ti
 
 mkdir -p "$RUNS"
 timed "$RUNS/eagle3.seconds" python training/train.py head=eagle3 head.ttt_steps=4 head.lr=3e-4 trainer.lr=3e-4 \
-  trainer.max_steps=220 eval.every=55 $COMMON output_dir="$RUNS/smollm2-eagle3" &
+  trainer.max_steps=220 eval.at_start=false eval.every=55 $COMMON output_dir="$RUNS/smollm2-eagle3" &
 timed "$RUNS/medusa.seconds" python training/train.py head=medusa \
   trainer.max_steps=100 eval.at_start=false eval.every=50 $COMMON output_dir="$RUNS/smollm2-medusa" &
 wait

@@ -143,3 +143,15 @@ def test_vocab_logits_equals_linear(shape):
     with torch.inference_mode():
         fast = vocab_logits(hidden, weight)
     torch.testing.assert_close(fast, torch.nn.functional.linear(hidden, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_eagle3_output_starts_as_the_targets_lm_head():
+    model = tiny_target()
+    head = make_head("eagle3", model)
+    final_norm = model.get_decoder().norm
+    with torch.no_grad():
+        final_norm.weight.uniform_(0.5, 1.5)
+        head.init_output_from_target(model.get_output_embeddings().weight, final_norm.weight)
+        hidden = torch.randn(3, 32)
+        expected = model.get_output_embeddings()(final_norm(hidden))[:, head.draft_to_target]
+        torch.testing.assert_close(head.logits(hidden), expected)

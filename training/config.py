@@ -45,6 +45,7 @@ class Eagle3HeadConf(HeadConf):
     draft_vocab_size: int = 8192  # 0: the target's whole vocabulary
     ttt_steps: int = 7
     loss_decay: float = 0.8
+    init_lm_head: bool = True  # start the draft LM head and norm from the target's (rows of the draft vocabulary)
 
 
 @dataclass

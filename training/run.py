@@ -50,6 +50,9 @@ def build_head(conf: TrainConfig, target, train_split) -> torch.nn.Module:
         if 0 < size < vocab:
             counts = count_tokens(train_split["input_ids"], train_split["assistant_mask"], vocab)
             head.set_draft_vocab(*build_draft_vocab(counts, size))
+        if head_conf.init_lm_head:
+            final_norm = getattr(target.model.get_decoder(), "norm", None)
+            head.init_output_from_target(lm_head, None if final_norm is None else final_norm.weight.detach())
         return head
     return MedusaHeads(MedusaConfig(num_heads=head_conf.num_heads, num_layers=head_conf.num_layers,
                                     shared_lm_head=head_conf.shared_lm_head), target.config, lm_head)
