@@ -31,6 +31,7 @@ class GenerationResult:
     tree_sizes: list[int] = field(default_factory=list)
     depth_attempts: list[int] = field(default_factory=list)
     depth_accepts: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0  # time spent in the proposer (the rest is target passes and bookkeeping)
 
     @property
     def tau(self) -> float:
@@ -122,7 +123,9 @@ class SpeculativeDecoder:
                 break
             step = ProposeInput(history[:length], new_hidden, new_layer_hidden, self.tree_tokens, sampling,
                                 generator)
+            drafting = time.perf_counter()
             tree = proposer.propose(state, step)
+            result.draft_seconds += time.perf_counter() - drafting
             path, bonus, out = self._verify(tree, cache, sampling, generator, hidden_layers)
             result.target_forwards += 1
             result.tree_sizes.append(tree.size)

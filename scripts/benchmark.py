@@ -34,6 +34,7 @@ DEFAULT_METHODS = ("hf-greedy", "hf-pld", "none", "ngram")
 class MethodStats:
     tokens: int = 0
     seconds: float = 0.0
+    draft_seconds: float = 0.0
     forwards: int = 0
     identical: int = 0
     prompts: int = 0
@@ -234,6 +235,7 @@ def main(argv=None) -> int:
             s.prompts += 1
             s.per_prompt_tps.append(len(tokens) / seconds)
             if details is not None:
+                s.draft_seconds += details.draft_seconds
                 s.accept_lengths.extend(details.accept_lengths)
                 s.add_depths(details.depth_attempts, details.depth_accepts)
         for name in methods:
@@ -252,7 +254,7 @@ def main(argv=None) -> int:
             "identical": s.identical / s.prompts if args.temperature == 0 else None,
             "per_prompt_tokens_per_s": {"min": min(s.per_prompt_tps), "median": statistics.median(s.per_prompt_tps),
                                         "max": max(s.per_prompt_tps)},
-            "tokens": s.tokens, "seconds": s.seconds,
+            "tokens": s.tokens, "seconds": s.seconds, "draft_share": s.draft_seconds / s.seconds,
             "tree_tokens": decoders[name].tree_tokens if name in decoders else None,
             "depth_acceptance": [taken / tried for taken, tried in zip(s.depth_accepts, s.depth_attempts)],
         }

@@ -55,6 +55,8 @@ def test_benchmark_script_reports_every_method(tiny_dir, tmp_path):
     for name, row in results["methods"].items():
         assert row["identical"] == 1.0, name  # every method reproduces HF greedy
         assert row["tokens_per_s"] > 0 and row["tau"] >= 1.0
+        assert 0.0 <= row["draft_share"] < 1.0
+    assert results["methods"]["hf-greedy"]["draft_share"] == 0.0 < results["methods"]["ngram"]["draft_share"]
     assert out.with_suffix(".png").is_file()
 
 
