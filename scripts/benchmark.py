@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
+
 import torch
 from tqdm import tqdm
 
@@ -143,7 +145,8 @@ def parse_args(argv=None):
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--methods", help=f"comma-separated (default: {','.join(DEFAULT_METHODS)}, the heads "
                                           "shipped for the target, and draft,hf-assisted when --draft-model is given); heads "
-                                          "as medusa:DIR, eagle:DIR, eagle3:DIR (medusa alone: the shipped head)")
+                                          "as medusa:DIR, eagle:DIR, eagle3:DIR (medusa alone: the shipped head); "
+                                          "METHOD@N fixes that method's tree size to N nodes")
     parser.add_argument("--draft-model")
     parser.add_argument("--prompts", help="JSONL prompts (default: MT-bench first turns)")
     parser.add_argument("--limit", type=int)
@@ -209,8 +212,10 @@ def main(argv=None) -> int:
     decoders = {}
     for name in methods:
         if name not in HF_METHODS:
-            proposer = build_proposer(name, target, args.draft_model)
-            decoders[name] = SpeculativeDecoder(target, proposer, tree_tokens=args.tree_tokens)
+            spec, _, tree_tokens = name.partition("@")  # eagle3@8: this method verifies trees of 8 nodes
+            proposer = build_proposer(spec, target, args.draft_model)
+            decoders[name] = SpeculativeDecoder(target, proposer,
+                                                tree_tokens=int(tree_tokens) if tree_tokens else args.tree_tokens)
 
     def run(name, ids, max_new_tokens):
         if name in HF_METHODS:

@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
+
 from tqdm import tqdm
 
 from runtime.decoder import SpeculativeDecoder

@@ -119,3 +119,11 @@ def test_saved_heads_load_into_proposers_by_name(tmp_path):
         build_proposer(f"eagle:{medusa_dir}", target)
     with pytest.raises(ValueError, match="needs --head DIR .* no eagle3 head ships for target 'tiny'"):
         build_proposer("eagle3", target)
+
+
+@pytest.mark.parametrize("name", ["eagle", "medusa"])
+def test_head_proposers_with_a_one_node_budget_decode_plainly(name):
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    proposer = head_proposers(target)[name]
+    result = SpeculativeDecoder(target, proposer, tree_tokens=1).generate(PROMPTS[0], 12)
+    assert result.tokens == hf_greedy("llama", PROMPTS[0], 12) and result.tau == 1.0

@@ -100,8 +100,9 @@ def test_benchmark_compares_with_hf_assisted_generation(tiny_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "one two one two"}))
     out = tmp_path / "results.json"
-    assert main(["--target", str(tiny_dir), "--draft-model", str(tiny_dir), "--methods", "hf-assisted,draft",
+    assert main(["--target", str(tiny_dir), "--draft-model", str(tiny_dir), "--methods", "hf-assisted,draft@3",
                  "--prompts", str(prompts), "--max-new-tokens", "12", "--tree-tokens", "4", "--output", str(out)]) == 0
     methods = json.loads(out.read_text())["methods"]
-    assert set(methods) == {"hf-greedy", "hf-assisted", "draft"}
-    assert methods["hf-assisted"]["identical"] == 1.0 and methods["draft"]["identical"] == 1.0
+    assert set(methods) == {"hf-greedy", "hf-assisted", "draft@3"}
+    assert methods["hf-assisted"]["identical"] == 1.0 and methods["draft@3"]["identical"] == 1.0
+    assert methods["draft@3"]["tree_tokens"] == 3

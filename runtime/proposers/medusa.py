@@ -58,6 +58,8 @@ class MedusaProposer:
     @torch.inference_mode()
     def propose(self, state: None, step: ProposeInput) -> Tree:
         root = int(step.history[-1])
+        if step.budget <= 1:  # the decoder verifies the root alone (plain decoding): nothing to draft
+            return Tree.chain(root, [], device=step.history.device)
         choices = self.choices or calibrated_choices(self.head_accuracy, step.budget, self.top_k)
         if len(choices) >= step.budget:
             raise ValueError(f"{len(choices)} Medusa choices need a tree budget of at least {len(choices) + 1} "
