@@ -20,13 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
 
-import torch
-from tqdm import tqdm
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
-from runtime.decoder import SpeculativeDecoder
-from runtime.prompts import encode_prompt, read_prompts
-from runtime.proposers import build_proposer
-from runtime.target import DEFAULT_TARGET, load_target
+from runtime.decoder import SpeculativeDecoder  # noqa: E402
+from runtime.prompts import encode_prompt, read_prompts  # noqa: E402
+from runtime.proposers import build_proposer  # noqa: E402
+from runtime.target import DEFAULT_TARGET, load_target  # noqa: E402
 
 HF_METHODS = ("hf-greedy", "hf-pld", "hf-assisted")  # hf-assisted: HF assisted generation with --draft-model
 DEFAULT_METHODS = ("hf-greedy", "hf-pld", "none", "ngram")

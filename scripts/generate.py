@@ -16,12 +16,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
 
-from tqdm import tqdm
+from tqdm import tqdm  # noqa: E402
 
-from runtime.decoder import SpeculativeDecoder
-from runtime.prompts import encode_prompt, read_prompts
-from runtime.proposers import PROPOSER_NAMES, build_proposer
-from runtime.target import DEFAULT_TARGET, load_target
+from runtime.decoder import SpeculativeDecoder  # noqa: E402
+from runtime.prompts import encode_prompt, read_prompts  # noqa: E402
+from runtime.proposers import PROPOSER_NAMES, build_proposer  # noqa: E402
+from runtime.target import DEFAULT_TARGET, load_target  # noqa: E402
 
 
 def parse_args(argv=None):
