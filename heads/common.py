@@ -84,6 +84,13 @@ def frozen_target_weights(target_model) -> tuple[torch.Tensor, torch.Tensor]:
     return embed, lm_head
 
 
+def softcap_logits(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma-style final logit soft-capping: softcap * tanh(logits / softcap); unchanged when softcap is None/0."""
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
 # Row counts up to which ``vocab_logits`` computes weight @ hidden^T. Measured on a 2-core x86 CPU (2 threads, torch
 # 2.13) with a 49152 x 576 LM head: 8.4 vs 9.8 ms at 1 row, 7.7 vs 21.5 ms at 4, 15.2 vs 22.8 ms at 8, 18.2 vs 25.7 ms
 # at 16 rows against the hidden @ weight^T product F.linear uses; an 8192-row head gains alike.

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.common import head_layer_config, stock_classes, vocab_logits
+from heads.common import head_layer_config, softcap_logits, stock_classes, vocab_logits
 
 KINDS = ("eagle", "eagle3")
 
@@ -191,10 +191,7 @@ class EagleHead(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V_draft] (EAGLE-1: the target's vocabulary)."""
         if self.kind == "eagle":
-            logits = vocab_logits(hidden, self.target_lm_head_weight)
-            if self.softcap:
-                logits = torch.tanh(logits / self.softcap) * self.softcap
-            return logits
+            return softcap_logits(vocab_logits(hidden, self.target_lm_head_weight), self.softcap)
         return vocab_logits(self.norm(hidden), self.lm_head.weight)
 
     def forward(self, input_ids: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor,

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.common import vocab_logits
+from heads.common import softcap_logits, vocab_logits
 
 
 @dataclass
@@ -85,7 +85,7 @@ class MedusaHeads(nn.Module):
         """Head ``index`` on hidden [..., H] -> logits [..., V] (predicts the token index+2 positions ahead)."""
         if self.config.shared_lm_head:
             return self._shared_logits(self.blocks[index](hidden))
-        return self._softcap(self.lm_heads[index](self.blocks[index](hidden)))
+        return softcap_logits(self.lm_heads[index](self.blocks[index](hidden)), self.softcap)
 
     def first_heads_logits(self, hidden: torch.Tensor, count: int) -> torch.Tensor:
         """Heads 0..count-1 on one hidden [..., H] -> logits [count, ..., V].
@@ -101,12 +101,7 @@ class MedusaHeads(nn.Module):
         if self.target_lm_head_weight.numel() == 0:
             raise RuntimeError("shared-LM-head Medusa has no target LM head attached; load it with "
                                "load_head(dir, target_model)")
-        return self._softcap(vocab_logits(hidden, self.target_lm_head_weight))
-
-    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return softcap_logits(vocab_logits(hidden, self.target_lm_head_weight), self.softcap)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, H] (any leading dims) -> logits [K, B, T, V]."""

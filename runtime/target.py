@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from heads.common import vocab_logits
+from heads.common import softcap_logits, vocab_logits
 from runtime import attention
 from runtime.assets import SMOLLM2_GGUF, cache_dir, packaged_file
 from runtime.kv_cache import KVCache
@@ -101,13 +101,8 @@ class Target:
         return KVCache(config.num_hidden_layers, batch_size, kv_heads, head_dim, max_length, self.dtype, self.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head.bias is None:
-            logits = vocab_logits(hidden, self.lm_head.weight)
-        else:
-            logits = self.lm_head(hidden)
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        logits = vocab_logits(hidden, self.lm_head.weight) if self.lm_head.bias is None else self.lm_head(hidden)
+        return softcap_logits(logits, self.softcap)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,

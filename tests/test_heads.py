@@ -155,3 +155,13 @@ def test_eagle3_output_starts_as_the_targets_lm_head():
         hidden = torch.randn(3, 32)
         expected = model.get_output_embeddings()(final_norm(hidden))[:, head.draft_to_target]
         torch.testing.assert_close(head.logits(hidden), expected)
+
+
+def test_softcap_logits_caps_and_passes_through():
+    from heads.common import softcap_logits
+
+    logits = torch.tensor([-100.0, 0.5, 100.0])
+    assert torch.equal(softcap_logits(logits, None), logits)
+    capped = softcap_logits(logits, 30.0)
+    torch.testing.assert_close(capped, 30.0 * torch.tanh(logits / 30.0))
+    assert capped.abs().max() < 30.0

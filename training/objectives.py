@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from heads.common import softcap_logits
 from training.draft_vocab import target_to_draft_ids
 from training.losses import (decay_weights, feature_regression_loss, soft_cross_entropy, sparse_soft_cross_entropy,
                              uniform_noise)
@@ -40,9 +41,7 @@ class TargetDistribution:
         self.index = torch.full(positions.shape, -1, dtype=torch.long, device=positions.device)
         self.index[rows, cols] = torch.arange(rows.numel(), device=positions.device)
         with torch.no_grad():
-            logits = F.linear(batch["hidden"][rows, cols].float(), lm_head_weight.float())
-            if softcap:
-                logits = torch.tanh(logits / softcap) * softcap
+            logits = softcap_logits(F.linear(batch["hidden"][rows, cols].float(), lm_head_weight.float()), softcap)
             self.greedy_table = logits.argmax(-1)  # [N] the target's greedy token (full vocabulary)
             if draft_ids is not None:
                 logits = logits[:, draft_ids]

@@ -23,14 +23,13 @@ def load_head_proposer(kind: str, head_dir: str, target) -> Proposer:
     if head.head_type != kind:
         raise ValueError(f"{head_dir} holds a {head.head_type} head, not {kind}; use --proposer {head.head_type}")
     tree = read_head_config(head_dir).get("tree", {})
+    accuracy = tree.get("acceptance")
     if kind == "medusa":
         from runtime.proposers.medusa import MedusaProposer
 
-        accuracy = tree.get("acceptance")
         return MedusaProposer(head, head_accuracy=accuracy[: head.num_heads] if accuracy else None)
     from runtime.proposers.eagle import EagleProposer
 
-    accuracy = tree.get("acceptance")
     return EagleProposer(head, target, depth=int(tree.get("depth", 6)), top_k=int(tree.get("top_k", 8)),
                          expected_acceptance=accuracy[0] if accuracy else 0.6)
 
@@ -74,5 +73,4 @@ def build_proposer(name: str, target, draft_model: str | None = None, dtype=None
 
 
 __all__ = ["NoProposer", "Proposer", "ProposeInput", "DraftModelProposer", "NgramProposer", "build_proposer",
-           "PROPOSER_NAMES", "HEAD_PROPOSERS", "load_head_proposer",
-           "default_head"]
+           "PROPOSER_NAMES", "HEAD_PROPOSERS", "load_head_proposer", "default_head"]
