@@ -93,10 +93,9 @@ def default_methods(target_name: str, draft_model: str | None) -> list[str]:
     from heads.shipped import find_shipped
     from runtime.target import same_model_identities
 
-    methods = list(DEFAULT_METHODS)
-    for kind in ("eagle3", "eagle", "medusa"):
-        if find_shipped(kind, same_model_identities(target_name)) is not None:
-            methods.append(kind)
+    identities = same_model_identities(target_name)
+    methods = list(DEFAULT_METHODS) + [kind for kind in ("eagle3", "eagle", "medusa")
+                                       if find_shipped(kind, identities) is not None]
     return methods + (["draft", "hf-assisted"] if draft_model else [])
 
 
@@ -144,8 +143,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--methods", help=f"comma-separated (default: {','.join(DEFAULT_METHODS)}, the heads "
-                                          "shipped for the target, and draft,hf-assisted when --draft-model is given); heads "
-                                          "as medusa:DIR, eagle:DIR, eagle3:DIR (medusa alone: the shipped head); "
+                                          "shipped for the target, and draft,hf-assisted when --draft-model is "
+                                          "given); heads as medusa:DIR, eagle:DIR, eagle3:DIR (medusa alone: the "
+                                          "shipped head); "
                                           "METHOD@N fixes that method's tree size to N nodes")
     parser.add_argument("--draft-model")
     parser.add_argument("--prompts", help="JSONL prompts (default: MT-bench first turns)")

@@ -106,3 +106,11 @@ def test_benchmark_compares_with_hf_assisted_generation(tiny_dir, tmp_path):
     assert set(methods) == {"hf-greedy", "hf-assisted", "draft@3"}
     assert methods["hf-assisted"]["identical"] == 1.0 and methods["draft@3"]["identical"] == 1.0
     assert methods["draft@3"]["tree_tokens"] == 3
+
+
+def test_vocab_projection_benchmark_prints_every_row_count(capsys):
+    from scripts.bench_vocab_projection import main
+
+    assert main(["--vocab", "64", "--hidden", "8", "--rows", "1", "3", "--repeats", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 64 |")]
+    assert [line.split("|")[2].strip() for line in rows] == ["1", "3"]
