@@ -1,0 +1,155 @@
+"""Where a verification pass spends its time on this machine, and whether torch.compile makes it cheaper.
+
+    python scripts/bench_verify_pass.py                       # eager cost of T = 1, 8, 16 plus an op profile
+    python scripts/bench_verify_pass.py --compile --freezing  # adds inductor-compiled passes (minutes per shape)
+
+The eager rows are the runtime's own pass (Target.forward with its KV cache). The compiled rows run the same stock
+decoder through torch.compile with static shapes: a cache that writes into a fixed buffer with ``index_copy_`` and a
+mask over the whole buffer, so no Python int changes between steps (the runtime's cache keeps one, which makes
+dynamo recompile or fall back). The profile splits the T = 1 pass into matrix products and the rest and converts the
+matrix-product time into the bandwidth at which the weights were read. Run it with nothing else on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
+
+import torch  # noqa: E402
+
+from runtime.target import DEFAULT_TARGET, load_target  # noqa: E402
+from runtime.tree import Tree, verification_mask  # noqa: E402
+
+
+class StaticBufferCache:
+    """Writes new K/V at ``slots`` (LongTensor [T]) of a fixed buffer [L, 2, 1, Hkv, S, D]; returns the whole
+    buffer, so every shape is fixed for a given T."""
+
+    def __init__(self, kv: torch.Tensor, slots: torch.Tensor):
+        self.kv = kv
+        self.slots = slots
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.kv[layer_idx]
+        layer[0].index_copy_(2, self.slots, key_states)
+        layer[1].index_copy_(2, self.slots, value_states)
+        return layer[0], layer[1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def __len__(self) -> int:
+        return self.kv.shape[0]
+
+
+def median_ms(times: list[float]) -> float:
+    return statistics.median(times) * 1000
+
+
+@torch.inference_mode()
+def eager_times(target, context: int, size: int, repeats: int) -> list[float]:
+    cache = target.new_cache(1, context + size + 1)
+    prompt = torch.randint(0, target.vocab_size, (1, context))
+    target.forward(prompt, torch.arange(context)[None], cache, None, logits_from=context - 1)
+    cache.commit(context)
+    tree = Tree.chain(0, [1] * (size - 1))
+    mask = verification_mask(tree.ancestor_mask(), context) if size > 1 else None
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        target.forward(tree.tokens[None], tree.position_ids(context)[None], cache, mask)
+        times.append(time.perf_counter() - started)
+    return times[1:]
+
+
+@torch.inference_mode()
+def compiled_times(target, step, buffer: int, context: int, size: int, repeats: int) -> tuple[float, list[float]]:
+    """(seconds of the first call, which compiles; then the per-call times)."""
+    config = target.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = torch.zeros(config.num_hidden_layers, 2, 1, config.num_key_value_heads, buffer, head_dim)
+    tree = Tree.chain(0, [1] * (size - 1))
+    mask = torch.zeros(1, 1, size, buffer, dtype=torch.bool)
+    mask[..., :context] = True  # the cached context is random keys: only the cost matters here
+    mask[0, 0, :, context:context + size] = tree.ancestor_mask()
+    slots = torch.arange(context, context + size)
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        step(tree.tokens[None], tree.position_ids(context)[None], kv, slots, mask)
+        times.append(time.perf_counter() - started)
+    return times[0], times[1:]
+
+
+@torch.inference_mode()
+def profile_step(target, context: int) -> tuple[float, float]:
+    """(ms per T = 1 pass inside aten::mm, ms per pass in total) from torch.profiler over 10 passes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = target.new_cache(1, context + 16)
+    target.forward(torch.randint(0, target.vocab_size, (1, context)), torch.arange(context)[None], cache, None,
+                   logits_from=context - 1)
+    cache.commit(context)
+    token, position = torch.zeros(1, 1, dtype=torch.long), torch.tensor([[context]])
+    target.forward(token, position, cache, None)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(10):
+            target.forward(token, position, cache, None)
+    events = prof.key_averages()
+    matmul = sum(event.self_cpu_time_total for event in events if event.key in ("aten::mm", "aten::addmm"))
+    total = sum(event.self_cpu_time_total for event in events)
+    return matmul / 10 / 1000, total / 10 / 1000
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 16])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--compile", action="store_true", help="also time inductor-compiled passes")
+    parser.add_argument("--freezing", action="store_true", help="compile with inductor freezing (weights as constants)")
+    parser.add_argument("--buffer", type=int, default=512, help="static KV buffer length for the compiled passes")
+    args = parser.parse_args(argv)
+
+    target = load_target(args.target, quiet=True)
+    print(f"threads {torch.get_num_threads()}, context {args.context}, fp32\n")
+    print("| pass | T | median ms | min ms | vs eager T=1 | compile s |\n|---|---:|---:|---:|---:|---:|")
+    eager = {size: eager_times(target, args.context, size, args.repeats) for size in args.sizes}
+    base = median_ms(eager[args.sizes[0]])
+    for size, times in eager.items():
+        print(f"| eager | {size} | {median_ms(times):.1f} | {min(times) * 1000:.1f} | {median_ms(times) / base:.2f} | |")
+    if args.compile:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = args.freezing
+
+        def step(input_ids, position_ids, kv, slots, mask):
+            out = target.decoder(input_ids=input_ids, position_ids=position_ids, past_key_values=StaticBufferCache(
+                kv, slots), attention_mask=mask, use_cache=True, tree_backend="sdpa")
+            return target.logits(out.last_hidden_state)
+
+        compiled = torch.compile(step, dynamic=False)
+        label = "compiled+freezing" if args.freezing else "compiled"
+        for size in args.sizes:
+            first, times = compiled_times(target, compiled, args.buffer, args.context, size, args.repeats)
+            print(f"| {label} | {size} | {median_ms(times):.1f} | {min(times) * 1000:.1f} | "
+                  f"{median_ms(times) / base:.2f} | {first:.0f} |")
+    matmul_ms, total_ms = profile_step(target, args.context)
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    embedding = target.model.get_input_embeddings().weight
+    if embedding.data_ptr() != target.lm_head.weight.data_ptr():
+        weight_bytes -= embedding.numel() * embedding.element_size()  # a lookup reads rows, not the whole table
+    print(f"\nT=1 profile: matrix products {matmul_ms:.1f} of {total_ms:.1f} ms per pass "
+          f"({matmul_ms / total_ms:.0%}); weights {weight_bytes / 1e6:.0f} MB read at "
+          f"{weight_bytes / matmul_ms / 1e6:.1f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
