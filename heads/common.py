@@ -91,21 +91,49 @@ def softcap_logits(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return logits
 
 
-# Row counts up to which ``vocab_logits`` computes weight @ hidden^T. Measured on a 2-core x86 CPU (2 threads, torch
-# 2.13) with a 49152 x 576 LM head: 8.4 vs 9.8 ms at 1 row, 7.7 vs 21.5 ms at 4, 15.2 vs 22.8 ms at 8, 18.2 vs 25.7 ms
-# at 16 rows against the hidden @ weight^T product F.linear uses; an 8192-row head gains alike.
+# Row counts up to which ``decode_linear`` computes weight @ hidden^T. Measured on a 2-core x86 CPU (2 threads, torch
+# 2.13), where BLAS streams a weight matrix from memory much faster in that operand order for a few rows:
+# - a 49152 x 576 LM head: 8.4 vs 9.8 ms at 1 row, 7.7 vs 21.5 ms at 4, 15.2 vs 22.8 ms at 8, 18.2 vs 25.7 ms at 16
+#   against the hidden @ weight^T product F.linear uses (an 8192-row head gains alike);
+# - SmolLM2-135M's 210 decoder linears in sequence: 31.8 vs 60.1 ms at 2 rows, 31.0 vs 59.3 at 4, 48.2 vs 58.6 at 8,
+#   equal at 1 row.
+# ``python scripts/bench_vocab_projection.py`` re-measures both on a new machine.
 WEIGHT_MAJOR_MAX_ROWS = 16
 
 
-def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """hidden [..., H] @ weight [V, H]^T -> logits [..., V]; equal to ``F.linear(hidden, weight)``.
+def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N]; equal to ``F.linear(hidden, weight, bias)``.
 
-    Decoding projects one to a few rows onto a large vocabulary: a memory-bound product whose speed on CPU depends
-    on the BLAS call's operand order. Few rows go through ``weight @ hidden^T``, the rest through F.linear.
+    Decoding multiplies one to a few rows by a weight matrix read from memory: a memory-bound product whose speed
+    on CPU depends on the BLAS call's operand order. Few rows go through ``weight @ hidden^T``, the rest (and
+    anything that needs gradients, or runs off CPU) through F.linear.
     """
-    weight = weight.to(hidden.dtype)
     rows = hidden.numel() // hidden.shape[-1]
     if rows > WEIGHT_MAJOR_MAX_ROWS or hidden.device.type != "cpu" or torch.is_grad_enabled():
-        return torch.nn.functional.linear(hidden, weight)
+        return torch.nn.functional.linear(hidden, weight, bias)
     flat = hidden.reshape(rows, hidden.shape[-1])
-    return torch.mm(weight, flat.t()).t().reshape(*hidden.shape[:-1], weight.shape[0])
+    out = torch.mm(weight, flat.t()).t().reshape(*hidden.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
+
+
+def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden [..., H] @ weight [V, H]^T -> logits [..., V] in hidden's dtype (see ``decode_linear``)."""
+    return decode_linear(hidden, weight.to(hidden.dtype))
+
+
+class DecodeLinear(nn.Linear):
+    """An nn.Linear whose forward is ``decode_linear``: same parameters, same results, faster decode steps on CPU."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return decode_linear(hidden, self.weight, self.bias)
+
+
+def use_decode_linears(module: nn.Module) -> nn.Module:
+    """Switch every plain nn.Linear inside ``module`` to DecodeLinear in place (parameters untouched); returns it.
+
+    Subclasses of nn.Linear (quantized or adapter layers) keep their own forward.
+    """
+    for child in module.modules():
+        if type(child) is nn.Linear:
+            child.__class__ = DecodeLinear
+    return module

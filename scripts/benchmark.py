@@ -200,14 +200,14 @@ def main(argv=None) -> int:
     prompts = read_prompts(args.prompts, args.limit)
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     stock = load_target(args.target, dtype=args.dtype, device=args.device, attn_implementation="sdpa",
-                        quiet=True).model
+                        quiet=True, decode_linears=False).model
     counter = ForwardCounter(stock)
     assistant = None
     if "hf-assisted" in methods:
         if not args.draft_model:
             raise SystemExit("hf-assisted needs --draft-model (a smaller model with the target's tokenizer)")
         assistant = load_target(args.draft_model, dtype=args.dtype, device=args.device, attn_implementation="sdpa",
-                                quiet=True).model
+                                quiet=True, decode_linears=False).model
     eos = sorted(target.eos_token_ids)
     decoders = {}
     for name in methods:
@@ -270,7 +270,8 @@ def main(argv=None) -> int:
     divergences = {}
     if args.temperature == 0 and any(row["identical"] < 1 for row in summary.values()):
         reference = stock if args.dtype == "float32" else load_target(
-            args.target, dtype="float32", device=args.device, attn_implementation="sdpa", quiet=True).model
+            args.target, dtype="float32", device=args.device, attn_implementation="sdpa", quiet=True,
+            decode_linears=False).model
         divergences = divergence_report(records, encoded, stock, reference, [m for m in methods if m != "hf-greedy"])
         for name, row in divergences.items():
             print(f"{name}: {row['divergent']} outputs differ from HF greedy, {row['near_ties']} of them at a "

@@ -145,6 +145,37 @@ def test_vocab_logits_equals_linear(shape):
     torch.testing.assert_close(fast, torch.nn.functional.linear(hidden, weight), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(32,), (1, 32), (2, 3, 32), (1, 16, 32), (1, 17, 32)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_decode_linear_equals_linear(shape, with_bias):
+    from heads.common import decode_linear
+
+    weight, bias = torch.randn(48, 32), (torch.randn(48) if with_bias else None)
+    hidden = torch.randn(*shape[:-1], 64)[..., ::2]  # a strided view, as attention outputs can be
+    with torch.inference_mode():
+        fast = decode_linear(hidden, weight, bias)
+    torch.testing.assert_close(fast, torch.nn.functional.linear(hidden, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_linears_switch_plain_linears_only_and_keep_outputs():
+    from heads.common import DecodeLinear, use_decode_linears
+
+    class Adapter(torch.nn.Linear):
+        pass
+
+    model = tiny_target()
+    model.extra = Adapter(4, 4)
+    ids = torch.randint(0, model.config.vocab_size, (1, 5))
+    with torch.inference_mode():
+        before = model(ids).logits
+        use_decode_linears(model)
+        after = model(ids).logits
+    layer = model.get_decoder().layers[0]
+    assert type(layer.self_attn.q_proj) is DecodeLinear and type(layer.mlp.down_proj) is DecodeLinear
+    assert type(model.extra) is Adapter
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
 def test_eagle3_output_starts_as_the_targets_lm_head():
     model = tiny_target()
     head = make_head("eagle3", model)

@@ -16,10 +16,12 @@ def load_head_proposer(kind: str, head_dir: str, target) -> Proposer:
     Tree defaults come from the head's config: ``depth`` and ``top_k`` for EAGLE, and the acceptance measured during
     training (``acceptance``, acc@1..K), which calibrates Medusa's static tree and sizes EAGLE's verified tree.
     """
+    from heads.common import use_decode_linears
     from heads.io import load_head, read_head_config
 
     head = load_head(head_dir, target.model, identity=target.identity, tokenizer=target.tokenizer,
                      device=target.device, dtype=target.dtype)
+    use_decode_linears(head)  # drafting multiplies a few rows at a time, like the target's decode steps
     if head.head_type != kind:
         raise ValueError(f"{head_dir} holds a {head.head_type} head, not {kind}; use --proposer {head.head_type}")
     tree = read_head_config(head_dir).get("tree", {})
