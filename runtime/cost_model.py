@@ -77,6 +77,10 @@ def best_tree_tokens(curve: dict[int, float], acceptance: float) -> int:
 
 
 def choose_tree_tokens(target: Target, proposer) -> int:
+    """The proposer's own measured tree size when it has one (a shipped head tuned with scripts/tune_eagle.py),
+    otherwise the best size for its prior acceptance on this machine's cost curve."""
+    if getattr(proposer, "tree_tokens", None):
+        return proposer.tree_tokens
     if proposer.expected_acceptance <= 0:
         return 1
     return best_tree_tokens(cost_curve(target), proposer.expected_acceptance)

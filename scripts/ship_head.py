@@ -33,6 +33,9 @@ def main(argv=None) -> int:
     parser.add_argument("--into", type=Path, default=SHIPPED_DIR, help="parent directory (default: heads/shipped)")
     parser.add_argument("--depth", type=int, help="EAGLE: default draft depth of the runtime's tree")
     parser.add_argument("--top-k", type=int, help="EAGLE: default top-k per tree level")
+    parser.add_argument("--tree-tokens", type=int,
+                        help="EAGLE: default verified tree size (nodes, root included), as measured best by "
+                             "scripts/tune_eagle.py; without it the runtime's cost model sizes the tree")
     parser.add_argument("--train-seconds", type=float, help="wall time of the training run, recorded in the config")
     args = parser.parse_args(argv)
 
@@ -47,9 +50,14 @@ def main(argv=None) -> int:
     final = summary.get("final_eval") or {}
     if final.get("acc"):
         config["tree"]["acceptance"] = final["acc"]
-    for key, value in (("depth", args.depth), ("top_k", args.top_k)):
+    for key, value in (("depth", args.depth), ("top_k", args.top_k), ("tokens", args.tree_tokens)):
         if value is not None:
             config["tree"][key] = value
+    init_from = config["training"].get("config", {}).get("init_from")
+    if init_from and (Path(init_from) / CONFIG_NAME).is_file():  # a continued run: keep how its start was made
+        start = read_head_config(Path(init_from)).get("training", {})
+        config["training"]["continued_from"] = {key: start.get(key) for key in (
+            "command", "wall_seconds", "tokens_per_s_median", "final_eval", "continued_from") if key in start}
     config["training"].update({
         "command": "python training/train.py " + " ".join(overrides),
         "wall_seconds": args.train_seconds,

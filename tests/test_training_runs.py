@@ -237,3 +237,25 @@ def test_init_from_continues_a_trained_head(tiny, tmp_path):
     assert start["steps"] == 1 and again["final_eval"]["step"] == 1
     with pytest.raises(ValueError, match="init_from=.* holds a eagle3 head"):
         run_config(tiny, tmp_path / "wrong", "eagle", 1, [f"init_from={tmp_path / 'first' / 'head'}"])
+
+
+def test_stop_after_keeps_the_schedule_and_a_killed_run_finishes_with_an_evaluation(tiny, tmp_path):
+    extra = ["trainer.lr=3e-3", "checkpoint.every=2", "eval.at_start=false"]
+    whole = run_config(tiny, tmp_path / "whole", "eagle", 8, extra + ["trainer.stop_after=4"])
+    assert whole["steps"] == 4 and whole["final_eval"]["step"] == 4
+    # Two time-boxed parts of the same 8-step schedule end with the same weights as one part.
+    run_config(tiny, tmp_path / "parts", "eagle", 8, extra + ["trainer.stop_after=2"])
+    parts = run_config(tiny, tmp_path / "parts", "eagle", 8, extra + ["trainer.stop_after=4", "resume=true"])
+    assert parts["final_eval"]["step"] == 4
+    expected = head_weights(tmp_path / "whole")
+    for name, tensor in head_weights(tmp_path / "parts").items():
+        torch.testing.assert_close(tensor, expected[name], atol=0, rtol=0, msg=name)
+    # A run killed right after its step-2 checkpoint (before any evaluation), finished with stop_after=2: the final
+    # weights are evaluated and written as the head.
+    checkpoints = tmp_path / "whole" / "checkpoints"
+    (checkpoints / "latest.json").write_text(json.dumps({"tag": "step-00000002", "step": 2}))
+    finished = run_config(tiny, tmp_path / "whole", "eagle", 8, extra + ["trainer.stop_after=2", "resume=true"])
+    assert finished["final_eval"]["step"] == 2
+    assert json.loads((tmp_path / "whole" / "head" / "config.json").read_text())["training"]["step"] == 2
+    with pytest.raises(ValueError, match="stop_after"):
+        run_config(tiny, tmp_path / "bad", "eagle", 4, ["trainer.stop_after=5"])

@@ -119,7 +119,8 @@ class TrackerConf:
 
 @dataclass
 class TrainerConf:
-    max_steps: int = 1000  # optimizer steps
+    max_steps: int = 1000  # optimizer steps; the learning-rate schedule spans them
+    stop_after: Optional[int] = None  # end the run (final evaluation, head) after this many steps, schedule unchanged
     micro_batch_size: int = 4  # per process
     grad_accum: int = 1
     lr: Optional[float] = None  # null: the head's default
@@ -211,6 +212,9 @@ def validate(config: TrainConfig) -> None:
         problems.append(f"tracker.kind={config.tracker.kind!r}: choose tracker=wandb or tracker=disabled")
     if config.trainer.max_steps < 1 or config.trainer.micro_batch_size < 1 or config.trainer.grad_accum < 1:
         problems.append("trainer.max_steps, trainer.micro_batch_size and trainer.grad_accum must be >= 1")
+    if config.trainer.stop_after is not None and not 1 <= config.trainer.stop_after <= config.trainer.max_steps:
+        problems.append(f"trainer.stop_after={config.trainer.stop_after} must be between 1 and trainer.max_steps "
+                        f"({config.trainer.max_steps})")
     if config.eval.depth < 1:
         problems.append("eval.depth must be >= 1")
     if not config.target.name:

@@ -251,10 +251,11 @@ def run(conf: TrainConfig) -> dict:
     engine.train()
     if start_step == 0 and conf.eval.at_start:
         run_evaluation(0)
-    bar = tqdm(total=conf.trainer.max_steps, initial=start_step, desc=f"train {conf.head.type}", unit="step",
+    end = conf.trainer.stop_after or conf.trainer.max_steps  # stop_after: a time-boxed part of a longer schedule
+    bar = tqdm(total=end, initial=start_step, desc=f"train {conf.head.type}", unit="step",
                disable=not (dist.is_main and conf.trainer.progress), dynamic_ncols=True)
     step_rates = []
-    for step in range(start_step, conf.trainer.max_steps):
+    for step in range(start_step, end):
         started = time.perf_counter()
         totals = torch.zeros(4, dtype=torch.float64)  # tokens, loss, acc, micro-batches
         for accumulation_index in range(accumulation):
@@ -282,16 +283,20 @@ def run(conf: TrainConfig) -> dict:
         if dist.is_main:
             tracker.log({"train/loss": mean_loss, "train/acc": mean_acc, "train/tokens_per_s": rate,
                          "train/lr": engine.get_lr()[0]}, done)
-        if done % conf.eval.every == 0 or done == conf.trainer.max_steps:
+        if done % conf.eval.every == 0 or done == end:
             run_evaluation(done)
-        if done % conf.checkpoint.every == 0 or done == conf.trainer.max_steps:
+        if done % conf.checkpoint.every == 0 or done == end:
             save(done)
     bar.close()
-    if start_step >= conf.trainer.max_steps and not (run_dir / "head").is_dir():
-        save(start_step)
+    if start_step >= end:  # resumed at the end (a killed run finished with stop_after): evaluate, write the head
+        stale = not history or history[-1]["step"] != start_step
+        if stale:
+            run_evaluation(start_step)
+        if stale or not (run_dir / "head").is_dir():
+            save(start_step)
     digests = rank_digests(engine.module, dist)
     steady = step_rates[2:] or step_rates
-    summary = {"head": conf.head.type, "features": conf.features.mode, "steps": conf.trainer.max_steps,
+    summary = {"head": conf.head.type, "features": conf.features.mode, "steps": max(start_step, end),
                "world_size": dist.world, "tokens_per_s_median": statistics.median(steady) if steady else None,
                "final_eval": history[-1] if history else None, "head_dir": str(run_dir / "head"),
                "rank_digests": digests}

@@ -13,7 +13,8 @@ HEAD_PROPOSERS = ("medusa", "eagle", "eagle3")
 def load_head_proposer(kind: str, head_dir: str, target) -> Proposer:
     """A trained head from ``head_dir`` (the OUTPUT_DIR/head of a training run), checked against the target.
 
-    Tree defaults come from the head's config: ``depth`` and ``top_k`` for EAGLE, and the acceptance measured during
+    Tree defaults come from the head's config: ``depth``, ``top_k`` and optionally ``tokens`` (the verified tree size
+    measured best by scripts/tune_eagle.py) for EAGLE, and the acceptance measured during
     training (``acceptance``, acc@1..K), which calibrates Medusa's static tree and sizes EAGLE's verified tree.
     """
     from heads.common import use_decode_linears
@@ -33,7 +34,7 @@ def load_head_proposer(kind: str, head_dir: str, target) -> Proposer:
     from runtime.proposers.eagle import EagleProposer
 
     return EagleProposer(head, target, depth=int(tree.get("depth", 6)), top_k=int(tree.get("top_k", 8)),
-                         expected_acceptance=accuracy[0] if accuracy else 0.6)
+                         expected_acceptance=accuracy[0] if accuracy else 0.6, tree_tokens=tree.get("tokens"))
 
 
 def default_head(kind: str, target) -> str:

@@ -1,0 +1,28 @@
+"""Tree sizing from a cost curve, on hand-built curves."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from runtime.cost_model import best_tree_tokens, choose_tree_tokens, expected_tokens
+
+
+def test_expected_tokens_by_hand():
+    assert expected_tokens(1, 0.5) == 1
+    assert expected_tokens(3, 0.5) == pytest.approx(1.75)
+
+
+def test_best_tree_tokens_by_hand():
+    curve = {1: 1.0, 2: 1.25, 4: 1.3, 8: 1.9}
+    # per unit cost at acceptance 0.5: 1.0, 1.2, 1.44, 1.05
+    assert best_tree_tokens(curve, 0.5) == 4
+    # at 0.1 nothing beats plain decoding: 1.0, 0.88, 0.85, 0.58
+    assert best_tree_tokens(curve, 0.1) == 1
+
+
+def test_a_measured_tree_size_wins_over_the_cost_model():
+    tuned = SimpleNamespace(tree_tokens=4, expected_acceptance=0.3)
+    assert choose_tree_tokens(None, tuned) == 4  # no target needed: the cost curve is not consulted
+    assert choose_tree_tokens(None, SimpleNamespace(tree_tokens=None, expected_acceptance=0.0)) == 1
