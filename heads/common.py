@@ -97,7 +97,8 @@ def softcap_logits(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
 #   against the hidden @ weight^T product F.linear uses (an 8192-row head gains alike);
 # - SmolLM2-135M's 210 decoder linears in sequence: 31.8 vs 60.1 ms at 2 rows, 31.0 vs 59.3 at 4, 48.2 vs 58.6 at 8,
 #   equal at 1 row.
-# ``python scripts/bench_vocab_projection.py`` re-measures both on a new machine.
+# On a new machine, ``python scripts/bench_vocab_projection.py`` re-measures the LM-head product and
+# ``python scripts/bench_verify_pass.py`` whole target passes with stock and decode linears.
 WEIGHT_MAJOR_MAX_ROWS = 16
 
 

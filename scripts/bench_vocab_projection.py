@@ -2,8 +2,9 @@
 
     python scripts/bench_vocab_projection.py --vocab 49152 8192 --hidden 576 --rows 1 2 4 8 16 32
 
-Reports the median of --repeats runs per row count and the ratio (above 1: vocab_logits is faster). It decides
-heads.common.WEIGHT_MAJOR_MAX_ROWS on a new machine. Run it with nothing else on the machine.
+Reports the median of --repeats runs per row count and the ratio (above 1: vocab_logits is faster). With
+scripts/bench_verify_pass.py (whole passes, stock against decode linears) it decides heads.common.WEIGHT_MAJOR_MAX_ROWS
+on a new machine. Run it with nothing else on the machine.
 """
 
 from __future__ import annotations

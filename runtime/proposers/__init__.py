@@ -22,9 +22,9 @@ def load_head_proposer(kind: str, head_dir: str, target) -> Proposer:
 
     head = load_head(head_dir, target.model, identity=target.identity, tokenizer=target.tokenizer,
                      device=target.device, dtype=target.dtype)
-    use_decode_linears(head)  # drafting multiplies a few rows at a time, like the target's decode steps
     if head.head_type != kind:
         raise ValueError(f"{head_dir} holds a {head.head_type} head, not {kind}; use --proposer {head.head_type}")
+    use_decode_linears(head)  # drafting multiplies a few rows at a time, like the target's decode steps
     tree = read_head_config(head_dir).get("tree", {})
     accuracy = tree.get("acceptance")
     if kind == "medusa":
