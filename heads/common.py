@@ -113,7 +113,9 @@ def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if rows > WEIGHT_MAJOR_MAX_ROWS or hidden.device.type != "cpu" or torch.is_grad_enabled():
         return torch.nn.functional.linear(hidden, weight, bias)
     flat = hidden.reshape(rows, hidden.shape[-1])
-    out = torch.mm(weight, flat.t()).t().reshape(*hidden.shape[:-1], weight.shape[0])
+    # The product comes out as [N, rows]; handing a transposed view on would make every later op (rotary, SDPA,
+    # which then falls back to its slow math kernel) work on a strided tensor, so copy the few rows once.
+    out = torch.mm(weight, flat.t()).t().contiguous().reshape(*hidden.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
 

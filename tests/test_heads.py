@@ -155,6 +155,8 @@ def test_decode_linear_equals_linear(shape, with_bias):
     with torch.inference_mode():
         fast = decode_linear(hidden, weight, bias)
     torch.testing.assert_close(fast, torch.nn.functional.linear(hidden, weight, bias), rtol=1e-5, atol=1e-5)
+    # A strided result would push the attention that follows off SDPA's fused CPU kernel.
+    assert fast.is_contiguous()
 
 
 def test_decode_linears_switch_plain_linears_only_and_keep_outputs():
