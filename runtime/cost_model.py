@@ -77,9 +77,9 @@ def best_tree_tokens(curve: dict[int, float], acceptance: float) -> int:
 
 
 def choose_tree_tokens(target: Target, proposer) -> int:
-    """The proposer's own measured tree size when it has one (a shipped head tuned with scripts/tune_eagle.py),
+    """The proposer's own measured tree size when it has one (a shipped head tuned with scripts/tune_tree.py),
     otherwise the best size for its prior acceptance on this machine's cost curve."""
-    if getattr(proposer, "tree_tokens", None):
+    if proposer.tree_tokens:
         return proposer.tree_tokens
     if proposer.expected_acceptance <= 0:
         return 1

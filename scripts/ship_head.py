@@ -34,8 +34,8 @@ def main(argv=None) -> int:
     parser.add_argument("--depth", type=int, help="EAGLE: default draft depth of the runtime's tree")
     parser.add_argument("--top-k", type=int, help="EAGLE: default top-k per tree level")
     parser.add_argument("--tree-tokens", type=int,
-                        help="EAGLE: default verified tree size (nodes, root included), as measured best by "
-                             "scripts/tune_eagle.py; without it the runtime's cost model sizes the tree")
+                        help="default verified tree size (nodes, root included), as measured best by "
+                             "scripts/tune_tree.py; without it the runtime's cost model sizes the tree")
     parser.add_argument("--train-seconds", type=float, help="wall time of the training run, recorded in the config")
     args = parser.parse_args(argv)
 

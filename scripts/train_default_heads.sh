@@ -9,7 +9,7 @@
 # Stage 2 continues the EAGLE-3 head with both threads on 12000 conversations (a different sample order): 460 steps
 # of a 3000-step schedule, about 70 minutes at about 210 tokens/s (1840 conversations). Held-out acc@1 went from 0.23
 # to 0.30, tau from 1.28 to 1.40. Each shipped config.json records its commands and times. The EAGLE-3 config also
-# carries the runtime's tree defaults (depth 1, top-k 8, 4 verified tokens), chosen with scripts/tune_eagle.py.
+# carries the runtime's tree defaults (depth 1, top-k 8, 4 verified tokens), chosen with scripts/tune_tree.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-runs}

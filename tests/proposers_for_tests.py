@@ -15,6 +15,7 @@ class BadProposer:
     hidden_layers: tuple[int, ...] = ()
     needs_hidden = False
     expected_acceptance = 0.5
+    tree_tokens = None
 
     def start(self, prompt, max_length):
         return None
@@ -30,6 +31,7 @@ class RandomProposer:
     hidden_layers: tuple[int, ...] = ()
     needs_hidden = False
     expected_acceptance = 0.5
+    tree_tokens = None
 
     def __init__(self, vocab_size: int, seed: int = 0):
         self.vocab_size = vocab_size

@@ -26,3 +26,14 @@ def test_a_measured_tree_size_wins_over_the_cost_model():
     tuned = SimpleNamespace(tree_tokens=4, expected_acceptance=0.3)
     assert choose_tree_tokens(None, tuned) == 4  # no target needed: the cost curve is not consulted
     assert choose_tree_tokens(None, SimpleNamespace(tree_tokens=None, expected_acceptance=0.0)) == 1
+
+
+def test_every_proposer_states_its_tree_size_or_leaves_it_to_the_cost_model():
+    from runtime.proposers import DraftModelProposer, NgramProposer, NoProposer
+    from runtime.proposers.eagle import EagleProposer
+    from runtime.proposers.medusa import MedusaProposer
+
+    assert NoProposer.tree_tokens == 1
+    assert NgramProposer.tree_tokens is None and DraftModelProposer.tree_tokens is None
+    for cls in (EagleProposer, MedusaProposer):  # per instance, from the head's config
+        assert "tree_tokens" in cls.__init__.__code__.co_varnames

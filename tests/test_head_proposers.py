@@ -108,10 +108,12 @@ def test_saved_heads_load_into_proposers_by_name(tmp_path):
     eagle_dir, medusa_dir = tmp_path / "eagle", tmp_path / "medusa"
     signature = target_signature(target.model, "tiny")
     save_head(eagle_head(target, "eagle"), eagle_dir, signature, tree={"depth": 3})
-    save_head(medusa_heads(target), medusa_dir, signature, tree={"acceptance": [0.7, 0.4, 0.2]})
+    save_head(medusa_heads(target), medusa_dir, signature, tree={"acceptance": [0.7, 0.4, 0.2], "tokens": 3})
     eagle = build_proposer(f"eagle:{eagle_dir}", target)
     medusa = build_proposer("medusa", target, head=str(medusa_dir))
     assert eagle.depth == 3 and medusa.head_accuracy == [0.7, 0.4, 0.2]
+    assert eagle.tree_tokens is None and medusa.tree_tokens == 3  # a measured size in the config is the default
+    assert SpeculativeDecoder(target, medusa).tree_tokens == 3
     reference = hf_greedy("llama", PROMPTS[1], 30)
     for proposer in (eagle, medusa):
         assert SpeculativeDecoder(target, proposer, tree_tokens=8).generate(PROMPTS[1], 30).tokens == reference

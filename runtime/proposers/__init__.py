@@ -13,9 +13,9 @@ HEAD_PROPOSERS = ("medusa", "eagle", "eagle3")
 def load_head_proposer(kind: str, head_dir: str, target) -> Proposer:
     """A trained head from ``head_dir`` (the OUTPUT_DIR/head of a training run), checked against the target.
 
-    Tree defaults come from the head's config: ``depth``, ``top_k`` and optionally ``tokens`` (the verified tree size
-    measured best by scripts/tune_eagle.py) for EAGLE, and the acceptance measured during
-    training (``acceptance``, acc@1..K), which calibrates Medusa's static tree and sizes EAGLE's verified tree.
+    Tree defaults come from the head's config: ``depth`` and ``top_k`` for EAGLE, optionally ``tokens`` (the verified
+    tree size measured best by scripts/tune_tree.py) for both kinds, and the acceptance measured during training
+    (``acceptance``, acc@1..K), which calibrates Medusa's static tree and otherwise sizes the verified tree.
     """
     from heads.common import use_decode_linears
     from heads.io import load_head, read_head_config
@@ -30,7 +30,8 @@ def load_head_proposer(kind: str, head_dir: str, target) -> Proposer:
     if kind == "medusa":
         from runtime.proposers.medusa import MedusaProposer
 
-        return MedusaProposer(head, head_accuracy=accuracy[: head.num_heads] if accuracy else None)
+        return MedusaProposer(head, head_accuracy=accuracy[: head.num_heads] if accuracy else None,
+                              tree_tokens=tree.get("tokens"))
     from runtime.proposers.eagle import EagleProposer
 
     return EagleProposer(head, target, depth=int(tree.get("depth", 6)), top_k=int(tree.get("top_k", 8)),

@@ -38,6 +38,7 @@ class Proposer(Protocol):
     hidden_layers: tuple[int, ...]  # target layers whose inputs the proposer needs (EAGLE-3); () for none
     needs_hidden: bool  # whether the decoder should hand over target hidden states
     expected_acceptance: float  # prior per-token acceptance rate, used to size trees from the cost curve
+    tree_tokens: int | None  # a measured verified-tree size (scripts/tune_tree.py); None: the cost model decides
 
     def start(self, prompt: torch.Tensor, max_length: int) -> Any:
         """Per-generation state for a prompt [P] and a total length bound."""
@@ -53,6 +54,7 @@ class NoProposer:
     hidden_layers: tuple[int, ...] = ()
     needs_hidden = False
     expected_acceptance = 0.0
+    tree_tokens = 1
 
     def start(self, prompt: torch.Tensor, max_length: int) -> None:
         return None

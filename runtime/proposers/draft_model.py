@@ -41,6 +41,7 @@ class DraftModelProposer:
     hidden_layers: tuple[int, ...] = ()
     needs_hidden = False
     expected_acceptance = 0.7
+    tree_tokens: int | None = None
 
     def __init__(self, draft: Target, target: Target, mode: str = "tree", depth: int = 5, top_k: int = 4):
         if mode not in ("tree", "chain"):

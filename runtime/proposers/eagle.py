@@ -38,7 +38,7 @@ class EagleProposer:
     def __init__(self, head, target, depth: int = 6, top_k: int = 8, expected_acceptance: float = 0.6,
                  tree_tokens: int | None = None):
         self.head, self.target = head, target
-        self.tree_tokens = tree_tokens  # a measured default for the verified tree; None: the cost model decides
+        self.tree_tokens = tree_tokens
         self.depth, self.top_k = depth, top_k
         self.name = head.kind
         self.hidden_layers = tuple(head.feature_layers) if head.kind == "eagle3" else ()

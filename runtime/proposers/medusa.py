@@ -38,15 +38,17 @@ def calibrated_choices(head_accuracy: list[float], budget: int, top_k: int = 10,
 
 class MedusaProposer:
     """``heads``: MedusaHeads attached to the target's weights. ``choices`` fixes the tree; by default it is
-    calibrated from ``head_accuracy`` (per-head top-1 acceptance, e.g. measured during training) and the budget."""
+    calibrated from ``head_accuracy`` (per-head top-1 acceptance, e.g. measured during training) and the budget.
+    ``tree_tokens``: a measured verified-tree size (None: the cost model sizes it from ``head_accuracy[0]``)."""
 
     name = "medusa"
     hidden_layers: tuple[int, ...] = ()
     needs_hidden = True
 
     def __init__(self, heads, choices: list[tuple[int, ...]] | None = None, head_accuracy: list[float] | None = None,
-                 top_k: int = 10):
+                 top_k: int = 10, tree_tokens: int | None = None):
         self.heads = heads
+        self.tree_tokens = tree_tokens
         self.top_k = top_k
         self.choices = [tuple(c) for c in choices] if choices is not None else None
         self.head_accuracy = head_accuracy or [0.6 * 0.8 ** i for i in range(heads.num_heads)]

@@ -48,6 +48,7 @@ class NgramProposer:
     hidden_layers: tuple[int, ...] = ()
     needs_hidden: bool = False
     expected_acceptance: float = 0.45
+    tree_tokens: int | None = None
 
     def start(self, prompt: torch.Tensor, max_length: int) -> None:
         return None

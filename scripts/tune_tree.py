@@ -1,10 +1,13 @@
-"""Grid over an EAGLE head's tree settings (depth, top-k, tree size) against plain decoding, in one process.
+"""Grid over a head proposer's tree settings against plain decoding, in one process.
 
-    python scripts/tune_eagle.py --head heads/shipped/smollm2-135m-eagle3 --grid 2,8,8 3,4,8 4,8,16
+    python scripts/tune_tree.py --head heads/shipped/smollm2-135m-eagle3 --grid 1,8,4 2,8,4 2,8,8
+    python scripts/tune_tree.py --proposer medusa --grid 1 2 3 4 6
 
-Prompts default to MT-bench first turns 21-24 (outside the benchmark's usual first prompts). Prints tokens/s, the
-ratio to plain decoding and tau per setting; write the best depth and top-k into a shipped head with
-``scripts/ship_head.py --depth D --top-k K``. Run it with nothing else on the machine.
+An EAGLE setting is DEPTH,TOP_K,TREE_TOKENS; a Medusa setting is TREE_TOKENS (the static tree of that many nodes
+calibrated from the head's measured accuracies). Prompts default to MT-bench first turns 21-24 (outside the
+benchmark's usual first prompts). Prints tokens/s, the ratio to plain decoding and tau per setting; write the best
+into a shipped head with ``scripts/ship_head.py --depth D --top-k K --tree-tokens T``. Run it with nothing else on
+the machine.
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ from runtime.target import DEFAULT_TARGET, load_target  # noqa: E402
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET)
-    parser.add_argument("--proposer", default="eagle3", choices=("eagle", "eagle3"))
+    parser.add_argument("--proposer", default="eagle3", choices=("eagle", "eagle3", "medusa"))
     parser.add_argument("--head", help="head directory (default: the shipped head for the target)")
-    parser.add_argument("--grid", nargs="+", default=["2,8,8", "3,4,8", "3,8,12", "4,4,8", "4,8,16", "6,8,16"],
-                        help="DEPTH,TOP_K,TREE_TOKENS settings")
+    parser.add_argument("--grid", nargs="+", help="EAGLE: DEPTH,TOP_K,TREE_TOKENS settings (default 1,8,2 1,8,4 "
+                        "2,8,4 2,8,8 3,8,8); Medusa: TREE_TOKENS settings (default 2 3 4 6 8)")
     parser.add_argument("--first", type=int, default=20, help="index of the first MT-bench prompt used")
     parser.add_argument("--count", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -38,12 +41,21 @@ def main(argv=None) -> int:
     target = load_target(args.target)
     prompts = [encode_prompt(target.tokenizer, p["prompt"])
                for p in read_prompts(limit=args.first + args.count)[args.first:]]
-    head = build_proposer(args.proposer, target, head=args.head).head
+    proposer = build_proposer(args.proposer, target, head=args.head)
+    medusa = args.proposer == "medusa"
+    grid = args.grid or (["2", "3", "4", "6", "8"] if medusa else ["1,8,2", "1,8,4", "2,8,4", "2,8,8", "3,8,8"])
     decoders = {"none": SpeculativeDecoder(target, NoProposer())}
-    for setting in args.grid:
-        depth, top_k, tree_tokens = (int(x) for x in setting.split(","))
-        decoders[setting] = SpeculativeDecoder(target, EagleProposer(head, target, depth=depth, top_k=top_k),
-                                               tree_tokens=tree_tokens)
+    for setting in grid:
+        values = [int(x) for x in setting.split(",")]
+        if len(values) != (1 if medusa else 3):
+            parser.error(f"grid setting {setting!r}: expected " + ("TREE_TOKENS" if medusa else
+                                                                   "DEPTH,TOP_K,TREE_TOKENS"))
+        if medusa:
+            decoders[setting] = SpeculativeDecoder(target, proposer, tree_tokens=values[0])
+        else:
+            depth, top_k, tree_tokens = values
+            decoders[setting] = SpeculativeDecoder(
+                target, EagleProposer(proposer.head, target, depth=depth, top_k=top_k), tree_tokens=tree_tokens)
     for decoder in decoders.values():  # warm-up
         decoder.generate(prompts[0], 8)
     totals = {name: [0, 0.0, []] for name in decoders}
@@ -54,7 +66,8 @@ def main(argv=None) -> int:
             totals[name][1] += result.seconds
             totals[name][2] += result.accept_lengths
     base = totals["none"][0] / totals["none"][1]
-    print("| depth,top-k,tree | tokens/s | vs plain | tau |\n|---|---:|---:|---:|")
+    setting_name = "tree" if medusa else "depth,top-k,tree"
+    print(f"| {setting_name} | tokens/s | vs plain | tau |\n|---|---:|---:|---:|")
     for name, (tokens, seconds, accepted) in totals.items():
         tau = statistics.mean(accepted) if accepted else 1.0
         print(f"| {name} | {tokens / seconds:.2f} | {tokens / seconds / base:.2f}x | {tau:.2f} |")
