@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tree-tokens", type=int,
                         help="default verified tree size (nodes, root included), as measured best by "
                              "scripts/tune_tree.py; without it the runtime's cost model sizes the tree")
+    parser.add_argument("--tree-dtype", default="float32",
+                        help="the target dtype --tree-tokens was measured with (other dtypes use the cost model)")
     parser.add_argument("--train-seconds", type=float, help="wall time of the training run, recorded in the config")
     args = parser.parse_args(argv)
 
@@ -53,6 +55,8 @@ def main(argv=None) -> int:
     for key, value in (("depth", args.depth), ("top_k", args.top_k), ("tokens", args.tree_tokens)):
         if value is not None:
             config["tree"][key] = value
+    if args.tree_tokens is not None:
+        config["tree"]["tokens_dtype"] = str(parse_dtype(args.tree_dtype)).removeprefix("torch.")
     init_from = config["training"].get("config", {}).get("init_from")
     if init_from and (Path(init_from) / CONFIG_NAME).is_file():  # a continued run: keep how its start was made
         start = read_head_config(Path(init_from)).get("training", {})

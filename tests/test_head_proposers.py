@@ -114,6 +114,8 @@ def test_saved_heads_load_into_proposers_by_name(tmp_path):
     assert eagle.depth == 3 and medusa.head_accuracy == [0.7, 0.4, 0.2]
     assert eagle.tree_tokens is None and medusa.tree_tokens == 3  # a measured size in the config is the default
     assert SpeculativeDecoder(target, medusa).tree_tokens == 3
+    bf16 = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB).to(torch.bfloat16), identity="tiny")
+    assert build_proposer("medusa", bf16, head=str(medusa_dir)).tree_tokens is None  # measured in float32 only
     reference = hf_greedy("llama", PROMPTS[1], 30)
     for proposer in (eagle, medusa):
         assert SpeculativeDecoder(target, proposer, tree_tokens=8).generate(PROMPTS[1], 30).tokens == reference

@@ -14,7 +14,8 @@ def load_head_proposer(kind: str, head_dir: str, target) -> Proposer:
     """A trained head from ``head_dir`` (the OUTPUT_DIR/head of a training run), checked against the target.
 
     Tree defaults come from the head's config: ``depth`` and ``top_k`` for EAGLE, optionally ``tokens`` (the verified
-    tree size measured best by scripts/tune_tree.py) for both kinds, and the acceptance measured during training
+    tree size measured best by scripts/tune_tree.py, used for targets in the dtype it was measured in, ``tokens_dtype``)
+    for both kinds, and the acceptance measured during training
     (``acceptance``, acc@1..K), which calibrates Medusa's static tree and otherwise sizes the verified tree.
     """
     from heads.common import use_decode_linears
@@ -27,15 +28,19 @@ def load_head_proposer(kind: str, head_dir: str, target) -> Proposer:
     use_decode_linears(head)  # drafting multiplies a few rows at a time, like the target's decode steps
     tree = read_head_config(head_dir).get("tree", {})
     accuracy = tree.get("acceptance")
+    # A tree size is measured in one dtype; another dtype has another cost curve (bf16 verification of 4 tokens costs
+    # 2.2x one token on an AVX2 CPU, fp32 1.0x), so there the cost model sizes the tree.
+    tuned_dtype = tree.get("tokens_dtype", "float32")
+    tree_tokens = tree.get("tokens") if str(target.dtype).removeprefix("torch.") == tuned_dtype else None
     if kind == "medusa":
         from runtime.proposers.medusa import MedusaProposer
 
         return MedusaProposer(head, head_accuracy=accuracy[: head.num_heads] if accuracy else None,
-                              tree_tokens=tree.get("tokens"))
+                              tree_tokens=tree_tokens)
     from runtime.proposers.eagle import EagleProposer
 
     return EagleProposer(head, target, depth=int(tree.get("depth", 6)), top_k=int(tree.get("top_k", 8)),
-                         expected_acceptance=accuracy[0] if accuracy else 0.6, tree_tokens=tree.get("tokens"))
+                         expected_acceptance=accuracy[0] if accuracy else 0.6, tree_tokens=tree_tokens)
 
 
 def default_head(kind: str, target) -> str:
