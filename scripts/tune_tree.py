@@ -46,10 +46,10 @@ def main(argv=None) -> int:
     grid = args.grid or (["2", "3", "4", "6", "8"] if medusa else ["1,8,2", "1,8,4", "2,8,4", "2,8,8", "3,8,8"])
     decoders = {"none": SpeculativeDecoder(target, NoProposer())}
     for setting in grid:
-        values = [int(x) for x in setting.split(",")]
-        if len(values) != (1 if medusa else 3):
+        values = [int(x) for x in setting.split(",") if x.strip().isdigit()]
+        if len(values) != (1 if medusa else 3) or len(values) != len(setting.split(",")):
             parser.error(f"grid setting {setting!r}: expected " + ("TREE_TOKENS" if medusa else
-                                                                   "DEPTH,TOP_K,TREE_TOKENS"))
+                                                                   "DEPTH,TOP_K,TREE_TOKENS") + " (integers)")
         if medusa:
             decoders[setting] = SpeculativeDecoder(target, proposer, tree_tokens=values[0])
         else:
