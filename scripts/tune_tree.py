@@ -37,19 +37,22 @@ def main(argv=None) -> int:
     parser.add_argument("--count", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args(argv)
+    medusa = args.proposer == "medusa"
+    grid = args.grid or (["2", "3", "4", "6", "8"] if medusa else ["1,8,2", "1,8,4", "2,8,4", "2,8,8", "3,8,8"])
+    settings = {}  # checked before the target loads, so a typo costs no wait
+    for setting in grid:
+        parts = setting.split(",")
+        if len(parts) != (1 if medusa else 3) or not all(part.strip().isdigit() for part in parts):
+            parser.error(f"grid setting {setting!r}: expected " + ("TREE_TOKENS" if medusa else
+                                                                   "DEPTH,TOP_K,TREE_TOKENS") + " (integers)")
+        settings[setting] = [int(part) for part in parts]
 
     target = load_target(args.target)
     prompts = [encode_prompt(target.tokenizer, p["prompt"])
                for p in read_prompts(limit=args.first + args.count)[args.first:]]
     proposer = build_proposer(args.proposer, target, head=args.head)
-    medusa = args.proposer == "medusa"
-    grid = args.grid or (["2", "3", "4", "6", "8"] if medusa else ["1,8,2", "1,8,4", "2,8,4", "2,8,8", "3,8,8"])
     decoders = {"none": SpeculativeDecoder(target, NoProposer())}
-    for setting in grid:
-        values = [int(x) for x in setting.split(",") if x.strip().isdigit()]
-        if len(values) != (1 if medusa else 3) or len(values) != len(setting.split(",")):
-            parser.error(f"grid setting {setting!r}: expected " + ("TREE_TOKENS" if medusa else
-                                                                   "DEPTH,TOP_K,TREE_TOKENS") + " (integers)")
+    for setting, values in settings.items():
         if medusa:
             decoders[setting] = SpeculativeDecoder(target, proposer, tree_tokens=values[0])
         else:

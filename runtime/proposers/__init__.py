@@ -20,6 +20,7 @@ def load_head_proposer(kind: str, head_dir: str, target) -> Proposer:
     """
     from heads.common import use_decode_linears
     from heads.io import load_head, read_head_config
+    from runtime.target import parse_dtype
 
     head = load_head(head_dir, target.model, identity=target.identity, tokenizer=target.tokenizer,
                      device=target.device, dtype=target.dtype)
@@ -30,8 +31,7 @@ def load_head_proposer(kind: str, head_dir: str, target) -> Proposer:
     accuracy = tree.get("acceptance")
     # A tree size is measured in one dtype; another dtype has another cost curve (bf16 verification of 4 tokens costs
     # 2.2x one token on an AVX2 CPU, fp32 1.0x), so there the cost model sizes the tree.
-    tuned_dtype = tree.get("tokens_dtype", "float32")
-    tree_tokens = tree.get("tokens") if str(target.dtype).removeprefix("torch.") == tuned_dtype else None
+    tree_tokens = tree.get("tokens") if parse_dtype(tree.get("tokens_dtype", "float32")) == target.dtype else None
     if kind == "medusa":
         from runtime.proposers.medusa import MedusaProposer
 
