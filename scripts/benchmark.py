@@ -145,8 +145,8 @@ def parse_args(argv=None):
     parser.add_argument("--methods", help=f"comma-separated (default: {','.join(DEFAULT_METHODS)}, the heads "
                                           "shipped for the target, and draft,hf-assisted when --draft-model is "
                                           "given); heads as medusa:DIR, eagle:DIR, eagle3:DIR (medusa alone: the "
-                                          "shipped head); "
-                                          "METHOD@N fixes that method's tree size to N nodes")
+                                          "shipped head); eagle3+ngram etc.: prompt lookup "
+                                          "where it finds a match, the head elsewhere; METHOD@N fixes that method's tree size to N nodes")
     parser.add_argument("--draft-model")
     parser.add_argument("--prompts", help="JSONL prompts (default: MT-bench first turns)")
     parser.add_argument("--limit", type=int)
@@ -192,6 +192,33 @@ def plot_histograms(stats: dict[str, MethodStats], path: Path) -> None:
     plt.close(fig)
 
 
+def summarize(stats: dict[str, MethodStats], decoders: dict, temperature: float) -> dict:
+    """Per-method rates and ratios over the prompts run so far."""
+    base = stats["hf-greedy"].tokens / stats["hf-greedy"].seconds
+    summary = {}
+    for name, s in stats.items():
+        tps = s.tokens / s.seconds
+        summary[name] = {
+            "tokens_per_s": tps,
+            "tau": s.tokens / max(s.forwards, 1) if name in HF_METHODS else
+            (statistics.mean(s.accept_lengths) if s.accept_lengths else 1.0),
+            "speedup": tps / base,
+            "identical": s.identical / s.prompts if temperature == 0 else None,
+            "per_prompt_tokens_per_s": {"min": min(s.per_prompt_tps), "median": statistics.median(s.per_prompt_tps),
+                                        "max": max(s.per_prompt_tps)},
+            "tokens": s.tokens, "seconds": s.seconds, "draft_share": s.draft_seconds / s.seconds,
+            "tree_tokens": decoders[name].tree_tokens if name in decoders else None,
+            "depth_acceptance": [taken / tried for taken, tried in zip(s.depth_accepts, s.depth_attempts)],
+        }
+    return summary
+
+
+def write_atomically(path: Path, results: dict) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(results, indent=1))
+    partial.replace(path)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     methods = args.methods.split(",") if args.methods else default_methods(args.target, args.draft_model)
@@ -227,6 +254,11 @@ def main(argv=None) -> int:
         run(name, encoded[0], 16)
     stats = {name: MethodStats() for name in methods}
     records = []
+    config = {"target": args.target, "dtype": args.dtype, "prompts": args.prompts or "mt-bench", "n_prompts":
+              len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+              "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.processor() or
+              platform.machine()}
+    output = Path(args.output)
     for index, ids in enumerate(tqdm(encoded, desc="benchmark", file=sys.stderr)):
         order = methods[index % len(methods):] + methods[: index % len(methods)]  # rotate who goes first
         outputs = {}
@@ -246,27 +278,11 @@ def main(argv=None) -> int:
         for name in methods:
             stats[name].identical += outputs[name] == outputs["hf-greedy"]
         records.append({"id": prompts[index]["id"], "outputs": outputs})
+        # A long run keeps what it has measured: the file holds every finished prompt until the final write.
+        write_atomically(output, {"methods": summarize(stats, decoders, args.temperature),
+                                  "config": {**config, "n_prompts_done": index + 1}, "records": records})
 
-    base = stats["hf-greedy"].tokens / stats["hf-greedy"].seconds
-    summary = {}
-    for name, s in stats.items():
-        tps = s.tokens / s.seconds
-        summary[name] = {
-            "tokens_per_s": tps,
-            "tau": s.tokens / max(s.forwards, 1) if name in HF_METHODS else
-            (statistics.mean(s.accept_lengths) if s.accept_lengths else 1.0),
-            "speedup": tps / base,
-            "identical": s.identical / s.prompts if args.temperature == 0 else None,
-            "per_prompt_tokens_per_s": {"min": min(s.per_prompt_tps), "median": statistics.median(s.per_prompt_tps),
-                                        "max": max(s.per_prompt_tps)},
-            "tokens": s.tokens, "seconds": s.seconds, "draft_share": s.draft_seconds / s.seconds,
-            "tree_tokens": decoders[name].tree_tokens if name in decoders else None,
-            "depth_acceptance": [taken / tried for taken, tried in zip(s.depth_accepts, s.depth_attempts)],
-        }
-    config = {"target": args.target, "dtype": args.dtype, "prompts": args.prompts or "mt-bench", "n_prompts":
-              len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.processor() or
-              platform.machine()}
+    summary = summarize(stats, decoders, args.temperature)
     divergences = {}
     if args.temperature == 0 and any(row["identical"] < 1 for row in summary.values()):
         reference = stock if args.dtype == "float32" else load_target(
@@ -276,9 +292,7 @@ def main(argv=None) -> int:
         for name, row in divergences.items():
             print(f"{name}: {row['divergent']} outputs differ from HF greedy, {row['near_ties']} of them at a "
                   f"near-tie (largest float32 logit gap {row['max_fp32_gap']:.4f})", file=sys.stderr)
-    output = Path(args.output)
-    output.write_text(json.dumps({"methods": summary, "config": config, "divergences": divergences,
-                                  "records": records}, indent=1))
+    write_atomically(output, {"methods": summary, "config": config, "divergences": divergences, "records": records})
     plot_histograms(stats, Path(args.plot) if args.plot else output.with_suffix(".png"))
     print(markdown_table(summary))
     print(f"\n{len(prompts)} prompts, {args.max_new_tokens} new tokens, temperature {args.temperature}, "

@@ -28,7 +28,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET, help="HF id, local dir, .gguf file or alias")
     parser.add_argument("--proposer", default="ngram", choices=PROPOSER_NAMES,
-                        help="none, ngram, draft (--draft-model), or a head: medusa, eagle, eagle3 (--head)")
+                        help="none, ngram, draft (--draft-model), or a head: medusa, eagle, eagle3 (--head); "
+                             "HEAD+ngram drafts by prompt lookup where it finds a match, by the head elsewhere")
     parser.add_argument("--draft-model", help="draft model for --proposer draft")
     parser.add_argument("--head", help="trained head directory for --proposer medusa/eagle/eagle3")
     source = parser.add_mutually_exclusive_group()

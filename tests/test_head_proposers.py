@@ -8,7 +8,9 @@ from heads.eagle import EagleConfig, EagleHead, default_feature_layers
 from heads.medusa import MedusaConfig, MedusaHeads
 from runtime.decoder import SpeculativeDecoder
 from runtime.proposers.eagle import EagleProposer
+from runtime.proposers.lookup_first import LookupFirstProposer
 from runtime.proposers.medusa import MedusaProposer, calibrated_choices
+from runtime.proposers.ngram import NgramProposer
 from runtime.sampling import SamplingParams
 from runtime.target import target_from_model
 from tests.conftest import tiny_model
@@ -51,6 +53,8 @@ def head_proposers(target):
         "medusa": MedusaProposer(medusa_heads(target)),
         "medusa-identity": MedusaProposer(MedusaHeads(MedusaConfig(num_heads=2, num_layers=1), target.config,
                                                       frozen_target_weights(target.model)[1]).eval()),
+        "eagle3+ngram": LookupFirstProposer(EagleProposer(eagle_head(target, "eagle3"), target, depth=4, top_k=3)),
+        "medusa+ngram": LookupFirstProposer(MedusaProposer(medusa_heads(target))),
     }
 
 
@@ -73,7 +77,7 @@ def test_calibrated_choices_are_ancestor_closed_and_prefer_likely_paths():
     assert calibrated_choices([0.9], budget=4, top_k=10) == [(0,), (1,), (2,)]
 
 
-@pytest.mark.parametrize("name", ["eagle", "eagle3-draft-vocab", "medusa"])
+@pytest.mark.parametrize("name", ["eagle", "eagle3-draft-vocab", "medusa", "eagle+ngram"])
 def test_head_proposers_preserve_the_sampling_distribution(name):
     from tests import test_sampling_distribution as sampling
 
@@ -96,7 +100,9 @@ def head_proposers_small(target):
     medusa = MedusaHeads(MedusaConfig(num_heads=2, num_layers=1), target.config, lm_head).eval()
     return {"eagle": EagleProposer(eagle, target, depth=3, top_k=2),
             "eagle3-draft-vocab": EagleProposer(eagle3.eval(), target, depth=3, top_k=2),
-            "medusa": MedusaProposer(medusa, top_k=3)}
+            "medusa": MedusaProposer(medusa, top_k=3),
+            "eagle+ngram": LookupFirstProposer(EagleProposer(eagle, target, depth=3, top_k=2),
+                                               NgramProposer(max_ngram=2, min_ngram=1))}
 
 
 def test_saved_heads_load_into_proposers_by_name(tmp_path):
@@ -112,6 +118,8 @@ def test_saved_heads_load_into_proposers_by_name(tmp_path):
     eagle = build_proposer(f"eagle:{eagle_dir}", target)
     medusa = build_proposer("medusa", target, head=str(medusa_dir))
     assert eagle.depth == 3 and medusa.head_accuracy == [0.7, 0.4, 0.2]
+    combined = build_proposer(f"medusa+ngram:{medusa_dir}", target)
+    assert combined.name == "medusa+ngram" and combined.tree_tokens == 3 and combined.head.head_accuracy[0] == 0.7
     assert eagle.tree_tokens is None and medusa.tree_tokens == 3  # a measured size in the config is the default
     assert SpeculativeDecoder(target, medusa).tree_tokens == 3
     bf16 = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB).to(torch.bfloat16), identity="tiny")
@@ -131,3 +139,28 @@ def test_head_proposers_with_a_one_node_budget_decode_plainly(name):
     proposer = head_proposers(target)[name]
     result = SpeculativeDecoder(target, proposer, tree_tokens=1).generate(PROMPTS[0], 12)
     assert result.tokens == hf_greedy("llama", PROMPTS[0], 12) and result.tau == 1.0
+
+
+def test_lookup_first_drafts_by_lookup_where_the_text_repeats_and_by_the_head_elsewhere():
+    from runtime.proposers.base import ProposeInput
+
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    head = EagleProposer(eagle_head(target, "eagle"), target, depth=3, top_k=2)
+    combined = LookupFirstProposer(head)
+    sampling = SamplingParams(temperature=0.0)
+
+    def first_tree(proposer, prompt):
+        out = target.forward(torch.tensor([prompt[:-1]]), torch.arange(len(prompt) - 1)[None],
+                             target.new_cache(1, 64), None, logits_from=0)
+        step = ProposeInput(torch.tensor(prompt), out.hidden[0], (), 6, sampling, None)
+        state = proposer.start(torch.tensor(prompt), 64)
+        return proposer.propose(state, step), state
+
+    repeating = [7, 8, 9, 7, 8]  # "7 8" occurred before, followed by 9 7 8
+    tree, state = first_tree(combined, repeating)
+    assert tree.tokens.tolist() == [8, 9, 7, 8]
+    assert state.cache.max_committed == len(repeating) - 1  # the head still read every verified row
+    fresh = [3, 4, 5, 6]
+    tree, _ = first_tree(combined, fresh)
+    expected, _ = first_tree(head, fresh)
+    assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.parents, expected.parents)

@@ -6,8 +6,9 @@ from runtime.proposers.base import NoProposer, Proposer, ProposeInput
 from runtime.proposers.draft_model import DraftModelProposer
 from runtime.proposers.ngram import NgramProposer
 
-PROPOSER_NAMES = ("none", "ngram", "draft", "medusa", "eagle", "eagle3")
 HEAD_PROPOSERS = ("medusa", "eagle", "eagle3")
+LOOKUP_FIRST = "+ngram"  # "eagle3+ngram": prompt lookup where it finds a match, the head elsewhere
+PROPOSER_NAMES = ("none", "ngram", "draft", *HEAD_PROPOSERS, *(kind + LOOKUP_FIRST for kind in HEAD_PROPOSERS))
 
 
 def load_head_proposer(kind: str, head_dir: str, target) -> Proposer:
@@ -61,9 +62,14 @@ def build_proposer(name: str, target, draft_model: str | None = None, dtype=None
                    head: str | None = None) -> Proposer:
     """``none``, ``ngram``, ``draft`` (needs ``draft_model``: an HF id, dir, .gguf or alias), or a head proposer
     ``medusa`` / ``eagle`` / ``eagle3`` (``head``: a head directory; default: the head shipped for the target, see
-    heads/shipped). ``kind:DIR`` is accepted too."""
+    heads/shipped), optionally with ``+ngram`` (prompt lookup drafts where it finds a match, the head elsewhere).
+    ``kind:DIR`` is accepted too."""
     if ":" in name and head is None:
         name, head = name.split(":", 1)
+    if name.endswith(LOOKUP_FIRST) and name[: -len(LOOKUP_FIRST)] in HEAD_PROPOSERS:
+        from runtime.proposers.lookup_first import LookupFirstProposer
+
+        return LookupFirstProposer(build_proposer(name[: -len(LOOKUP_FIRST)], target, head=head), NgramProposer())
     if name == "none":
         return NoProposer()
     if name == "ngram":

@@ -61,7 +61,9 @@ class EagleProposer:
         return step.new_hidden
 
     @torch.inference_mode()
-    def propose(self, state: EagleState, step: ProposeInput) -> Tree:
+    def observe(self, state: EagleState, step: ProposeInput) -> torch.Tensor:
+        """Run the head over the rows verified since the last call and keep them in its cache, without drafting
+        (another proposer drafts this step). Returns the head's output for the newest row [H]."""
         history, cache, head = step.history, state.cache, self.head
         context = history.numel()
         done = cache.max_committed
@@ -74,7 +76,13 @@ class EagleProposer:
         hidden = head.hidden_states(tokens[None], features[None], positions[None],
                                     causal_rows_mask(done, count, history.device), cache)
         cache.commit(count)
-        root_hidden = hidden[0, -1]  # only the newest row drafts: one row through the LM head, not all of them
+        return hidden[0, -1]
+
+    @torch.inference_mode()
+    def propose(self, state: EagleState, step: ProposeInput) -> Tree:
+        history, cache, head = step.history, state.cache, self.head
+        context = history.numel()
+        root_hidden = self.observe(state, step)  # only the newest row drafts: one row through the LM head
         depth = min(self.depth, step.budget - 1)
         root = int(history[-1])
         if depth <= 0:
