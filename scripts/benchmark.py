@@ -88,14 +88,14 @@ def run_ours(decoder, ids, max_new_tokens, temperature, seed):
 
 
 def default_methods(target_name: str, draft_model: str | None) -> list[str]:
-    """The Step 1 methods, the heads shipped for this target, and ``draft`` and ``hf-assisted`` (HF assisted
-    generation) when a draft model is given."""
+    """The Step 1 methods, the heads shipped for this target (each alone and with prompt lookup first), and
+    ``draft`` and ``hf-assisted`` (HF assisted generation) when a draft model is given."""
     from heads.shipped import find_shipped
     from runtime.target import same_model_identities
 
     identities = same_model_identities(target_name)
-    methods = list(DEFAULT_METHODS) + [kind for kind in ("eagle3", "eagle", "medusa")
-                                       if find_shipped(kind, identities) is not None]
+    shipped = [kind for kind in ("eagle3", "eagle", "medusa") if find_shipped(kind, identities) is not None]
+    methods = list(DEFAULT_METHODS) + shipped + [kind + "+ngram" for kind in shipped]
     return methods + (["draft", "hf-assisted"] if draft_model else [])
 
 

@@ -60,6 +60,31 @@ def test_benchmark_script_reports_every_method(tiny_dir, tmp_path):
     assert out.with_suffix(".png").is_file()
 
 
+def test_benchmark_output_keeps_the_finished_prompts_of_a_run_that_dies(tiny_dir, tmp_path, monkeypatch):
+    import scripts.benchmark as benchmark
+
+    calls = []
+    real_run_ours = benchmark.run_ours
+
+    def dies_on_the_second_prompt(*args):
+        calls.append(1)
+        if len(calls) == 3:  # the warm-up, the first prompt, then the second prompt
+            raise KeyboardInterrupt
+        return real_run_ours(*args)
+
+    monkeypatch.setattr(benchmark, "run_ours", dies_on_the_second_prompt)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["one two one two", "abc abc abc", "x y"]))
+    out = tmp_path / "results.json"
+    with pytest.raises(KeyboardInterrupt):
+        benchmark.main(["--target", str(tiny_dir), "--prompts", str(prompts), "--max-new-tokens", "8",
+                        "--methods", "hf-greedy,ngram", "--output", str(out), "--device", "cpu"])
+    results = json.loads(out.read_text())
+    assert results["config"]["n_prompts_done"] == 1 and len(results["records"]) == 1
+    assert results["methods"]["ngram"]["identical"] == 1.0
+    assert [path.name for path in tmp_path.iterdir() if path.name.startswith("results")] == ["results.json"]
+
+
 def test_missing_local_model_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a model directory"):
         load_target(str(tmp_path))
