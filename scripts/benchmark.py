@@ -25,7 +25,7 @@ from tqdm import tqdm  # noqa: E402
 
 from runtime.decoder import SpeculativeDecoder  # noqa: E402
 from runtime.prompts import encode_prompt, read_prompts  # noqa: E402
-from runtime.proposers import build_proposer  # noqa: E402
+from runtime.proposers import LOOKUP_FIRST, build_proposer  # noqa: E402
 from runtime.target import DEFAULT_TARGET, load_target  # noqa: E402
 
 HF_METHODS = ("hf-greedy", "hf-pld", "hf-assisted")  # hf-assisted: HF assisted generation with --draft-model
@@ -95,7 +95,7 @@ def default_methods(target_name: str, draft_model: str | None) -> list[str]:
 
     identities = same_model_identities(target_name)
     shipped = [kind for kind in ("eagle3", "eagle", "medusa") if find_shipped(kind, identities) is not None]
-    methods = list(DEFAULT_METHODS) + shipped + [kind + "+ngram" for kind in shipped]
+    methods = list(DEFAULT_METHODS) + shipped + [kind + LOOKUP_FIRST for kind in shipped]
     return methods + (["draft", "hf-assisted"] if draft_model else [])
 
 
@@ -145,8 +145,8 @@ def parse_args(argv=None):
     parser.add_argument("--methods", help=f"comma-separated (default: {','.join(DEFAULT_METHODS)}, the heads "
                                           "shipped for the target, and draft,hf-assisted when --draft-model is "
                                           "given); heads as medusa:DIR, eagle:DIR, eagle3:DIR (medusa alone: the "
-                                          "shipped head); eagle3+ngram etc.: prompt lookup "
-                                          "where it finds a match, the head elsewhere; METHOD@N fixes that method's tree size to N nodes")
+                                          "shipped head); HEAD+ngram: prompt lookup where it finds a match, "
+                                          "the head elsewhere; METHOD@N fixes that method's tree size to N nodes")
     parser.add_argument("--draft-model")
     parser.add_argument("--prompts", help="JSONL prompts (default: MT-bench first turns)")
     parser.add_argument("--limit", type=int)

@@ -88,4 +88,4 @@ def build_proposer(name: str, target, draft_model: str | None = None, dtype=None
 
 
 __all__ = ["NoProposer", "Proposer", "ProposeInput", "DraftModelProposer", "NgramProposer", "build_proposer",
-           "PROPOSER_NAMES", "HEAD_PROPOSERS", "load_head_proposer", "default_head"]
+           "PROPOSER_NAMES", "HEAD_PROPOSERS", "LOOKUP_FIRST", "load_head_proposer", "default_head"]

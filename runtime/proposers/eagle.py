@@ -62,8 +62,9 @@ class EagleProposer:
 
     @torch.inference_mode()
     def observe(self, state: EagleState, step: ProposeInput) -> torch.Tensor:
-        """Run the head over the rows verified since the last call and keep them in its cache, without drafting
-        (another proposer drafts this step). Returns the head's output for the newest row [H]."""
+        """Run the head over the rows verified since the last call and keep them in its cache, without drafting.
+        ``propose`` starts with it; alone it serves steps another proposer drafts (runtime.proposers.lookup_first).
+        Returns the head's output for the newest row [H]."""
         history, cache, head = step.history, state.cache, self.head
         context = history.numel()
         done = cache.max_committed
