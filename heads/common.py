@@ -14,6 +14,8 @@ import json
 import torch
 from torch import nn
 
+from heads.kernels import bf16_rows_matmul
+
 
 def stock_classes(config) -> tuple[type, type]:
     """(DecoderLayer class, RotaryEmbedding class) of the transformers model family that ``config`` belongs to."""
@@ -103,16 +105,24 @@ WEIGHT_MAJOR_MAX_ROWS = 16
 
 
 def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """hidden [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N]; equal to ``F.linear(hidden, weight, bias)``.
+    """hidden [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N]; equal to ``F.linear(hidden, weight, bias)``
+    (in bfloat16, up to the order of the fp32 accumulation).
 
     Decoding multiplies one to a few rows by a weight matrix read from memory: a memory-bound product whose speed
     on CPU depends on the BLAS call's operand order. Few rows go through ``weight @ hidden^T``, the rest (and
-    anything that needs gradients, or runs off CPU) through F.linear.
+    anything that needs gradients, or runs off CPU) through F.linear. In bfloat16, 2-16 rows go through the compiled
+    row kernel (``heads.kernels``): PyTorch's bf16 product on a CPU without bf16 matrix instructions costs about one
+    one-row product per row, the kernel reads the weights once.
     """
     rows = hidden.numel() // hidden.shape[-1]
     if rows > WEIGHT_MAJOR_MAX_ROWS or hidden.device.type != "cpu" or torch.is_grad_enabled():
         return torch.nn.functional.linear(hidden, weight, bias)
     flat = hidden.reshape(rows, hidden.shape[-1])
+    if rows > 1 and weight.dtype == hidden.dtype == torch.bfloat16 and (kernel := bf16_rows_matmul()) is not None:
+        # One row stays on PyTorch's bf16 product, which is as fast and gives plain decoding HF's exact numbers.
+        out = kernel(flat.float(), weight.contiguous())
+        out = out if bias is None else out + bias.float()
+        return out.to(hidden.dtype).reshape(*hidden.shape[:-1], weight.shape[0])
     # The product comes out as [N, rows]; handing a transposed view on would make every later op (rotary, SDPA,
     # which then falls back to its slow math kernel) work on a strided tensor, so copy the few rows once.
     out = torch.mm(weight, flat.t()).t().contiguous().reshape(*hidden.shape[:-1], weight.shape[0])

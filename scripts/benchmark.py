@@ -29,7 +29,18 @@ from runtime.proposers import LOOKUP_FIRST, build_proposer  # noqa: E402
 from runtime.target import DEFAULT_TARGET, load_target  # noqa: E402
 
 HF_METHODS = ("hf-greedy", "hf-pld", "hf-assisted")  # hf-assisted: HF assisted generation with --draft-model
+# hf-greedy-bf16 runs HF greedy on a bfloat16 copy of the target: on CPUs where one bf16 token is faster than one
+# fp32 token, that is the baseline to beat, so it runs beside the others and gets its own speedup column.
+HF_DTYPE_SUFFIXES = {"-bf16": "bfloat16", "-fp32": "float32"}
 DEFAULT_METHODS = ("hf-greedy", "hf-pld", "none", "ngram")
+
+
+def hf_method(name: str, default_dtype: str) -> tuple[str, str] | None:
+    """(HF method, dtype) for an HF baseline name such as ``hf-greedy`` or ``hf-pld-bf16``; None for our methods."""
+    for suffix, dtype in HF_DTYPE_SUFFIXES.items():
+        if name.endswith(suffix) and name[: -len(suffix)] in ("hf-greedy", "hf-pld"):
+            return name[: -len(suffix)], dtype
+    return (name, default_dtype) if name in HF_METHODS else None
 
 
 @dataclass
@@ -107,16 +118,24 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def rounding_step(value: torch.Tensor) -> float:
+    """The spacing of ``value``'s dtype at its magnitude: the smallest change rounding can make to it."""
+    magnitude = value.abs()
+    return float(torch.nextafter(magnitude, torch.full_like(magnitude, float("inf"))) - magnitude)
+
+
 @torch.inference_mode()
-def divergence_report(records, encoded, model, reference, methods) -> dict:
+def divergence_report(records, encoded, models: dict, reference, baseline) -> dict:
     """For each output that differs from HF greedy: is the first divergence a near-tie?
 
-    At the first differing position both tokens are scored by one plain forward of the benchmark's model (its dtype)
-    and of ``reference`` (float32). It is a near-tie when the float32 gap between the two tokens' logits is within
-    twice the low-precision rounding error of those logits at that position, i.e. rounding alone can reorder them.
+    ``models`` maps each method to the model it ran, ``baseline`` is the model HF greedy ran, ``reference`` a float32
+    copy. At the first differing position both tokens are scored by one plain forward of each. It is a near-tie
+    when rounding alone can reorder the two tokens: their float32 logits differ by at most twice the largest
+    low-precision rounding error of those logits, or a low-precision run's own logits for them are at most one
+    rounding step apart.
     """
     report = {}
-    for name in methods:
+    for name, model in models.items():
         cases = []
         for record, ids in zip(records, encoded):
             ours, base = record["outputs"][name], record["outputs"]["hf-greedy"]
@@ -124,15 +143,18 @@ def divergence_report(records, encoded, model, reference, methods) -> dict:
             if index is None or index >= min(len(ours), len(base)):
                 continue
             prefix = torch.cat([ids, torch.tensor(base[:index], dtype=ids.dtype)])[None]
-            low = model(prefix.to(model.device)).logits[0, -1].float().cpu()
             high = reference(prefix.to(reference.device)).logits[0, -1].float().cpu()
+            runs = [run(prefix.to(run.device)).logits[0, -1].cpu() for run in {id(m): m for m in (model, baseline)}
+                    .values() if run is not reference]
             a, b = ours[index], base[index]
-            error = max(abs(float(low[a] - high[a])), abs(float(low[b] - high[b])))
+            error = max([abs(float(run[t].float() - high[t])) for run in runs for t in (a, b)], default=0.0)
             gap32 = abs(float(high[a] - high[b]))
-            top2 = low.topk(2).values
+            low_gaps = [(abs(float(run[a].float() - run[b].float())), rounding_step(run[b])) for run in runs]
+            top2 = (runs[0] if runs else high).float().topk(2).values
             cases.append({"id": record["id"], "position": index, "ours": a, "hf": b, "fp32_gap": gap32,
                           "rounding_error": error, "top2_gap": float(top2[0] - top2[1]),
-                          "near_tie": gap32 <= 2 * error})
+                          "low_precision_gap": min((gap for gap, _ in low_gaps), default=None),
+                          "near_tie": gap32 <= 2 * error or any(gap <= step for gap, step in low_gaps)})
         if cases:
             report[name] = {"divergent": len(cases), "near_ties": sum(c["near_tie"] for c in cases),
                             "max_fp32_gap": max(c["fp32_gap"] for c in cases), "cases": cases}
@@ -146,7 +168,8 @@ def parse_args(argv=None):
                                           "shipped for the target, and draft,hf-assisted when --draft-model is "
                                           "given); heads as medusa:DIR, eagle:DIR, eagle3:DIR (medusa alone: the "
                                           "shipped head); HEAD+ngram: prompt lookup where it finds a match, "
-                                          "the head elsewhere; METHOD@N fixes that method's tree size to N nodes")
+                                          "the head elsewhere; METHOD@N fixes that method's tree size to N nodes; "
+                                          "hf-greedy-bf16 and hf-pld-bf16 run HF on a bfloat16 copy of the target")
     parser.add_argument("--draft-model")
     parser.add_argument("--prompts", help="JSONL prompts (default: MT-bench first turns)")
     parser.add_argument("--limit", type=int)
@@ -162,12 +185,14 @@ def parse_args(argv=None):
 
 
 def markdown_table(summary: dict) -> str:
-    lines = ["| method | tokens/s | tau | speedup vs HF generate | identical to HF greedy |",
-             "|---|---:|---:|---:|---:|"]
+    fastest = any("speedup_vs_fastest_hf_greedy" in row for row in summary.values())
+    lines = ["| method | tokens/s | tau | speedup vs HF generate | " + ("vs fastest HF greedy | " if fastest else "")
+             + "identical to HF greedy |", "|---|---:|---:|---:|" + ("---:|" if fastest else "") + "---:|"]
     for name, row in summary.items():
         identical = "n/a" if row["identical"] is None else f"{row['identical']:.0%}"
+        versus_fastest = f"{row['speedup_vs_fastest_hf_greedy']:.2f}x | " if fastest else ""
         lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {row['tau']:.2f} | {row['speedup']:.2f}x | "
-                     f"{identical} |")
+                     f"{versus_fastest}{identical} |")
     return "\n".join(lines)
 
 
@@ -193,16 +218,23 @@ def plot_histograms(stats: dict[str, MethodStats], path: Path) -> None:
 
 
 def summarize(stats: dict[str, MethodStats], decoders: dict, temperature: float) -> dict:
-    """Per-method rates and ratios over the prompts run so far."""
-    base = stats["hf-greedy"].tokens / stats["hf-greedy"].seconds
+    """Per-method rates and ratios over the prompts run so far.
+
+    ``speedup`` is over ``hf-greedy``; when HF greedy also ran in another dtype (``hf-greedy-bf16``), every row also
+    gets ``speedup_vs_fastest_hf_greedy``, over whichever HF greedy run was faster.
+    """
+    rate = {name: s.tokens / s.seconds for name, s in stats.items()}
+    greedy = [name for name in stats if (hf_method(name, "") or ("",))[0] == "hf-greedy"]
+    base, fastest = rate["hf-greedy"], max(rate[name] for name in greedy)
     summary = {}
     for name, s in stats.items():
-        tps = s.tokens / s.seconds
+        tps = rate[name]
         summary[name] = {
             "tokens_per_s": tps,
-            "tau": s.tokens / max(s.forwards, 1) if name in HF_METHODS else
+            "tau": s.tokens / max(s.forwards, 1) if hf_method(name, "") else
             (statistics.mean(s.accept_lengths) if s.accept_lengths else 1.0),
             "speedup": tps / base,
+            **({"speedup_vs_fastest_hf_greedy": tps / fastest} if len(greedy) > 1 else {}),
             "identical": s.identical / s.prompts if temperature == 0 else None,
             "per_prompt_tokens_per_s": {"min": min(s.per_prompt_tps), "median": statistics.median(s.per_prompt_tps),
                                         "max": max(s.per_prompt_tps)},
@@ -226,9 +258,12 @@ def main(argv=None) -> int:
         methods.insert(0, "hf-greedy")  # the baseline every ratio refers to
     prompts = read_prompts(args.prompts, args.limit)
     target = load_target(args.target, dtype=args.dtype, device=args.device)
-    stock = load_target(args.target, dtype=args.dtype, device=args.device, attn_implementation="sdpa",
-                        quiet=True, decode_linears=False).model
-    counter = ForwardCounter(stock)
+    hf_runs = {name: hf_method(name, args.dtype) for name in methods if hf_method(name, args.dtype)}
+    stock = {}  # dtype -> (stock HF model, its forward counter): one copy per dtype the HF methods run in
+    for dtype in dict.fromkeys([args.dtype] + [dtype for _, dtype in hf_runs.values()]):
+        model = load_target(args.target, dtype=dtype, device=args.device, attn_implementation="sdpa", quiet=True,
+                            decode_linears=False).model
+        stock[dtype] = (model, ForwardCounter(model))
     assistant = None
     if "hf-assisted" in methods:
         if not args.draft_model:
@@ -238,15 +273,17 @@ def main(argv=None) -> int:
     eos = sorted(target.eos_token_ids)
     decoders = {}
     for name in methods:
-        if name not in HF_METHODS:
+        if name not in hf_runs:
             spec, _, tree_tokens = name.partition("@")  # eagle3@8: this method verifies trees of 8 nodes
             proposer = build_proposer(spec, target, args.draft_model)
             decoders[name] = SpeculativeDecoder(target, proposer,
                                                 tree_tokens=int(tree_tokens) if tree_tokens else args.tree_tokens)
 
     def run(name, ids, max_new_tokens):
-        if name in HF_METHODS:
-            return run_hf(stock, counter, ids, name, max_new_tokens, eos, args.temperature, args.seed, assistant)
+        if name in hf_runs:
+            method, dtype = hf_runs[name]
+            model, counter = stock[dtype]
+            return run_hf(model, counter, ids, method, max_new_tokens, eos, args.temperature, args.seed, assistant)
         return run_ours(decoders[name], ids, max_new_tokens, args.temperature, args.seed)
 
     encoded = [encode_prompt(target.tokenizer, p["prompt"]) for p in prompts]
@@ -285,10 +322,12 @@ def main(argv=None) -> int:
     summary = summarize(stats, decoders, args.temperature)
     divergences = {}
     if args.temperature == 0 and any(row["identical"] < 1 for row in summary.values()):
-        reference = stock if args.dtype == "float32" else load_target(
+        reference = stock["float32"][0] if "float32" in stock else load_target(
             args.target, dtype="float32", device=args.device, attn_implementation="sdpa", quiet=True,
             decode_linears=False).model
-        divergences = divergence_report(records, encoded, stock, reference, [m for m in methods if m != "hf-greedy"])
+        ran_on = {name: stock[hf_runs[name][1] if name in hf_runs else args.dtype][0] for name in methods
+                  if name != "hf-greedy"}
+        divergences = divergence_report(records, encoded, ran_on, reference, stock[args.dtype][0])
         for name, row in divergences.items():
             print(f"{name}: {row['divergent']} outputs differ from HF greedy, {row['near_ties']} of them at a "
                   f"near-tie (largest float32 logit gap {row['max_fp32_gap']:.4f})", file=sys.stderr)

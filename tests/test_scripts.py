@@ -112,11 +112,42 @@ def test_divergence_report_scores_the_first_differing_token(tiny_dir):
     best, other = logits.topk(2).indices.tolist()
     records = [{"id": 0, "outputs": {"hf-greedy": [best, 1], "x": [other, 1]}},
                {"id": 1, "outputs": {"hf-greedy": [best], "x": [best]}}]
-    report = divergence_report(records, [ids, ids], model, model, ["x"])
+    report = divergence_report(records, [ids, ids], {"x": model}, model, model)
     case = report["x"]["cases"][0]
     assert report["x"]["divergent"] == 1 and case["position"] == 0 and (case["ours"], case["hf"]) == (other, best)
     assert case["fp32_gap"] == pytest.approx(float(logits[best] - logits[other]), abs=1e-5)
     assert case["rounding_error"] == 0.0 and case["near_tie"] == (case["fp32_gap"] == 0.0)
+
+
+def test_hf_method_names_carry_an_optional_dtype():
+    from scripts.benchmark import hf_method
+
+    assert hf_method("hf-greedy", "float32") == ("hf-greedy", "float32")
+    assert hf_method("hf-greedy-bf16", "float32") == ("hf-greedy", "bfloat16")
+    assert hf_method("hf-pld-fp32", "bfloat16") == ("hf-pld", "float32")
+    assert hf_method("ngram", "float32") is None and hf_method("eagle3-bf16", "float32") is None
+
+
+def test_benchmark_runs_hf_greedy_in_bf16_beside_fp32(tiny_dir, tmp_path):
+    from scripts.benchmark import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["one two one two", "abc abc abc"]))
+    out = tmp_path / "results.json"
+    assert main(["--target", str(tiny_dir), "--methods", "hf-greedy,hf-greedy-bf16,ngram", "--prompts", str(prompts),
+                 "--max-new-tokens", "12", "--tree-tokens", "4", "--output", str(out)]) == 0
+    results = json.loads(out.read_text())
+    methods = results["methods"]
+    fastest = max(("hf-greedy", "hf-greedy-bf16"), key=lambda name: methods[name]["tokens_per_s"])
+    assert methods[fastest]["speedup_vs_fastest_hf_greedy"] == pytest.approx(1.0)
+    for row in methods.values():
+        assert row["speedup_vs_fastest_hf_greedy"] == pytest.approx(
+            row["tokens_per_s"] / methods[fastest]["tokens_per_s"])
+    assert methods["ngram"]["identical"] == 1.0
+    bf16 = [record["outputs"]["hf-greedy-bf16"] for record in results["records"]]
+    assert all(0 < len(tokens) <= 12 for tokens in bf16)
+    if methods["hf-greedy-bf16"]["identical"] < 1.0:  # bf16 rounding reordered a near-tie: the report says where
+        assert results["divergences"]["hf-greedy-bf16"]["divergent"] >= 1
 
 
 def test_benchmark_compares_with_hf_assisted_generation(tiny_dir, tmp_path):

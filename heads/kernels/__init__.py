@@ -1,0 +1,39 @@
+"""Compiled CPU kernels, built on first use, each beside the PyTorch expression it must equal.
+
+``bf16_rows_matmul``: a few rows times a bfloat16 weight matrix, reading the weights once (bf16_rows.cpp). Built with
+torch's C++ extension loader (a C++ compiler and ninja; the build is cached by torch, about a minute the first time).
+Where it cannot be built, callers get None and keep PyTorch's own product.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+SOURCE_DIR = Path(__file__).resolve().parent
+
+
+@functools.cache
+def bf16_rows_matmul() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """x [M, K] float32 @ weight [N, K] bfloat16 ^T -> [M, N] float32 (fp32 accumulation), or None.
+
+    The reference it is tested against: ``x @ weight.float().T``.
+    """
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return None  # the kernel is written with AVX2/FMA intrinsics
+    try:
+        from torch.utils.cpp_extension import load
+
+        module = load(name="headstart_bf16_rows", sources=[str(SOURCE_DIR / "bf16_rows.cpp")],
+                      # without OpenMP, at::parallel_for runs on one thread
+                      extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as error:  # no compiler or ninja: fall back rather than fail decoding
+        warnings.warn(f"the bf16 row kernel could not be built ({type(error).__name__}: {error}); bf16 passes of "
+                      f"several rows use PyTorch's product, which costs about one one-row pass per row on CPUs "
+                      f"without bf16 matrix instructions", stacklevel=2)
+        return None
+    return module.bf16_rows_matmul
