@@ -132,7 +132,8 @@ def divergence_report(records, encoded, models: dict, reference, baseline) -> di
     copy. At the first differing position both tokens are scored by one plain forward of each. It is a near-tie
     when rounding alone can reorder the two tokens: their float32 logits differ by at most twice the largest
     low-precision rounding error of those logits, or a low-precision run's own logits for them are at most one
-    rounding step apart.
+    rounding step apart. ``fp32_picks_ours``: float32 prefers the method's token, so HF's run is the one that
+    rounding moved (one plain forward underestimates the error of a run that built its cache token by token).
     """
     report = {}
     for name, model in models.items():
@@ -154,9 +155,11 @@ def divergence_report(records, encoded, models: dict, reference, baseline) -> di
             cases.append({"id": record["id"], "position": index, "ours": a, "hf": b, "fp32_gap": gap32,
                           "rounding_error": error, "top2_gap": float(top2[0] - top2[1]),
                           "low_precision_gap": min((gap for gap, _ in low_gaps), default=None),
-                          "near_tie": gap32 <= 2 * error or any(gap <= step for gap, step in low_gaps)})
+                          "near_tie": gap32 <= 2 * error or any(gap <= step for gap, step in low_gaps),
+                          "fp32_picks_ours": bool(high[a] > high[b])})
         if cases:
             report[name] = {"divergent": len(cases), "near_ties": sum(c["near_tie"] for c in cases),
+                            "unexplained": sum(not (c["near_tie"] or c["fp32_picks_ours"]) for c in cases),
                             "max_fp32_gap": max(c["fp32_gap"] for c in cases), "cases": cases}
     return report
 
@@ -173,6 +176,8 @@ def parse_args(argv=None):
     parser.add_argument("--draft-model")
     parser.add_argument("--prompts", help="JSONL prompts (default: MT-bench first turns)")
     parser.add_argument("--limit", type=int)
+    parser.add_argument("--stride", type=int, default=1,
+                        help="every Nth prompt (4: 20 MT-bench first turns from every category)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -180,6 +185,8 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="results.json")
+    parser.add_argument("--rescore", metavar="RESULTS",
+                        help="only recompute the divergence report of a finished results file")
     parser.add_argument("--plot", help="PNG of per-method accept-length histograms (default: beside --output)")
     return parser.parse_args(argv)
 
@@ -251,12 +258,46 @@ def write_atomically(path: Path, results: dict) -> None:
     partial.replace(path)
 
 
+def score_divergences(records, encoded, methods, hf_runs, models: dict, args) -> dict:
+    """``divergence_report`` for a run's methods; models: dtype -> the stock HF model in that dtype."""
+    for dtype in ("float32", args.dtype, *(dtype for _, dtype in hf_runs.values())):
+        if dtype not in models:
+            models[dtype] = load_target(args.target, dtype=dtype, device=args.device, attn_implementation="sdpa",
+                                        quiet=True, decode_linears=False).model
+    ran_on = {name: models[hf_runs[name][1] if name in hf_runs else args.dtype] for name in methods
+              if name != "hf-greedy"}
+    divergences = divergence_report(records, encoded, ran_on, models["float32"], models[args.dtype])
+    for name, row in divergences.items():
+        print(f"{name}: {row['divergent']} outputs differ from HF greedy, {row['near_ties']} of them at a near-tie, "
+              f"{row['unexplained']} neither a near-tie nor float32's choice (largest float32 logit gap "
+              f"{row['max_fp32_gap']:.4f})", file=sys.stderr)
+    return divergences
+
+
+def rescore(path: Path, device: str) -> int:
+    """Recompute the divergence report of a finished results file in place (no decoding, no timing)."""
+    results = json.loads(path.read_text())
+    config = results["config"]
+    methods = list(results["methods"])
+    args = argparse.Namespace(target=config["target"], dtype=config["dtype"], device=device)
+    hf_runs = {name: hf_method(name, args.dtype) for name in methods if hf_method(name, args.dtype)}
+    tokenizer = load_target(args.target, dtype=args.dtype, device=device, quiet=True).tokenizer
+    prompts = {p["id"]: p["prompt"] for p in read_prompts(None if config["prompts"] == "mt-bench" else
+                                                           config["prompts"])}
+    encoded = [encode_prompt(tokenizer, prompts[record["id"]]) for record in results["records"]]
+    results["divergences"] = score_divergences(results["records"], encoded, methods, hf_runs, {}, args)
+    write_atomically(path, results)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.rescore:
+        return rescore(Path(args.rescore), args.device)
     methods = args.methods.split(",") if args.methods else default_methods(args.target, args.draft_model)
     if "hf-greedy" not in methods:
         methods.insert(0, "hf-greedy")  # the baseline every ratio refers to
-    prompts = read_prompts(args.prompts, args.limit)
+    prompts = read_prompts(args.prompts)[:: args.stride][: args.limit]
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     hf_runs = {name: hf_method(name, args.dtype) for name in methods if hf_method(name, args.dtype)}
     stock = {}  # dtype -> (stock HF model, its forward counter): one copy per dtype the HF methods run in
@@ -291,8 +332,8 @@ def main(argv=None) -> int:
         run(name, encoded[0], 16)
     stats = {name: MethodStats() for name in methods}
     records = []
-    config = {"target": args.target, "dtype": args.dtype, "prompts": args.prompts or "mt-bench", "n_prompts":
-              len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+    config = {"target": args.target, "dtype": args.dtype, "prompts": args.prompts or "mt-bench", "stride": args.stride,
+              "n_prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
               "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.processor() or
               platform.machine()}
     output = Path(args.output)
@@ -322,15 +363,8 @@ def main(argv=None) -> int:
     summary = summarize(stats, decoders, args.temperature)
     divergences = {}
     if args.temperature == 0 and any(row["identical"] < 1 for row in summary.values()):
-        reference = stock["float32"][0] if "float32" in stock else load_target(
-            args.target, dtype="float32", device=args.device, attn_implementation="sdpa", quiet=True,
-            decode_linears=False).model
-        ran_on = {name: stock[hf_runs[name][1] if name in hf_runs else args.dtype][0] for name in methods
-                  if name != "hf-greedy"}
-        divergences = divergence_report(records, encoded, ran_on, reference, stock[args.dtype][0])
-        for name, row in divergences.items():
-            print(f"{name}: {row['divergent']} outputs differ from HF greedy, {row['near_ties']} of them at a "
-                  f"near-tie (largest float32 logit gap {row['max_fp32_gap']:.4f})", file=sys.stderr)
+        divergences = score_divergences(records, encoded, methods, hf_runs, {d: m for d, (m, _) in stock.items()},
+                                        args)
     write_atomically(output, {"methods": summary, "config": config, "divergences": divergences, "records": records})
     plot_histograms(stats, Path(args.plot) if args.plot else output.with_suffix(".png"))
     print(markdown_table(summary))

@@ -119,6 +119,24 @@ def test_divergence_report_scores_the_first_differing_token(tiny_dir):
     assert case["rounding_error"] == 0.0 and case["near_tie"] == (case["fp32_gap"] == 0.0)
 
 
+def test_divergence_report_counts_the_bf16_baselines_rounding(tiny_dir):
+    """A float32 method that differs from a bf16 HF greedy run: the baseline's rounding decides the near-tie."""
+    from scripts.benchmark import divergence_report, rounding_step
+
+    model = load_target(str(tiny_dir), attn_implementation="sdpa", quiet=True).model
+    bf16 = load_target(str(tiny_dir), dtype="bfloat16", attn_implementation="sdpa", quiet=True).model
+    ids = torch.tensor([5, 6, 7])
+    low, high = bf16(ids[None]).logits[0, -1], model(ids[None]).logits[0, -1]
+    best, other = low.float().topk(2).indices.tolist()
+    records = [{"id": 0, "outputs": {"hf-greedy": [best], "x": [other]}}]
+    case = divergence_report(records, [ids], {"x": model}, model, bf16)["x"]["cases"][0]
+    error = max(abs(float(low[t].float() - high[t])) for t in (best, other))
+    assert case["rounding_error"] == pytest.approx(error) and error > 0
+    assert case["low_precision_gap"] == pytest.approx(abs(float(low[best].float() - low[other].float())))
+    one_step = case["low_precision_gap"] <= rounding_step(low[best])
+    assert case["near_tie"] == (case["fp32_gap"] <= 2 * error or one_step)
+
+
 def test_hf_method_names_carry_an_optional_dtype():
     from scripts.benchmark import hf_method
 
@@ -148,6 +166,12 @@ def test_benchmark_runs_hf_greedy_in_bf16_beside_fp32(tiny_dir, tmp_path):
     assert all(0 < len(tokens) <= 12 for tokens in bf16)
     if methods["hf-greedy-bf16"]["identical"] < 1.0:  # bf16 rounding reordered a near-tie: the report says where
         assert results["divergences"]["hf-greedy-bf16"]["divergent"] >= 1
+    results["divergences"] = {"stale": {}}
+    out.write_text(json.dumps(results))
+    assert main(["--rescore", str(out)]) == 0  # recomputes the report from the stored outputs alone
+    rescored = json.loads(out.read_text())
+    assert rescored["records"] == results["records"] and "stale" not in rescored["divergences"]
+    assert set(rescored["divergences"]) == {name for name in methods if methods[name]["identical"] < 1.0}
 
 
 def test_benchmark_compares_with_hf_assisted_generation(tiny_dir, tmp_path):
