@@ -36,6 +36,8 @@ def main(argv=None) -> int:
     parser.add_argument("--first", type=int, default=20, help="index of the first MT-bench prompt used")
     parser.add_argument("--count", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the target's dtype; a tree size is only right for the dtype it was measured in")
     args = parser.parse_args(argv)
     medusa = args.proposer == "medusa"
     grid = args.grid or (["2", "3", "4", "6", "8"] if medusa else ["1,8,2", "1,8,4", "2,8,4", "2,8,8", "3,8,8"])
@@ -47,7 +49,7 @@ def main(argv=None) -> int:
                                                                    "DEPTH,TOP_K,TREE_TOKENS") + " (integers)")
         settings[setting] = [int(part) for part in parts]
 
-    target = load_target(args.target)
+    target = load_target(args.target, dtype=args.dtype)
     prompts = [encode_prompt(target.tokenizer, p["prompt"])
                for p in read_prompts(limit=args.first + args.count)[args.first:]]
     proposer = build_proposer(args.proposer, target, head=args.head)
