@@ -119,8 +119,8 @@ def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         return torch.nn.functional.linear(hidden, weight, bias)
     flat = hidden.reshape(rows, hidden.shape[-1])
     if rows > 1 and weight.dtype == hidden.dtype == torch.bfloat16 and (kernel := bf16_rows_matmul()) is not None:
-        # One row stays on PyTorch's bf16 product, which is as fast and gives plain decoding HF's exact numbers.
-        out = kernel(flat.float(), weight.contiguous())
+        # One row stays on PyTorch's bf16 product, which is about as fast and gives plain decoding HF's exact numbers.
+        out = kernel(flat.float().contiguous(), weight.contiguous())
         out = out if bias is None else out + bias.float()
         return out.to(hidden.dtype).reshape(*hidden.shape[:-1], weight.shape[0])
     # The product comes out as [N, rows]; handing a transposed view on would make every later op (rotary, SDPA,

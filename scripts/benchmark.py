@@ -43,6 +43,17 @@ def hf_method(name: str, default_dtype: str) -> tuple[str, str] | None:
     return (name, default_dtype) if name in HF_METHODS else None
 
 
+def hf_runs_of(methods, default_dtype: str) -> dict[str, tuple[str, str]]:
+    """{name: (HF method, dtype)} for the HF baselines among ``methods``."""
+    return {name: run for name in methods if (run := hf_method(name, default_dtype)) is not None}
+
+
+def load_stock(target: str, dtype: str, device: str):
+    """The target as the HF methods run it: the stock transformers model with stock linear layers."""
+    return load_target(target, dtype=dtype, device=device, attn_implementation="sdpa", quiet=True,
+                       decode_linears=False).model
+
+
 @dataclass
 class MethodStats:
     tokens: int = 0
@@ -231,14 +242,15 @@ def summarize(stats: dict[str, MethodStats], decoders: dict, temperature: float)
     gets ``speedup_vs_fastest_hf_greedy``, over whichever HF greedy run was faster.
     """
     rate = {name: s.tokens / s.seconds for name, s in stats.items()}
-    greedy = [name for name in stats if (hf_method(name, "") or ("",))[0] == "hf-greedy"]
+    hf_runs = hf_runs_of(stats, "")
+    greedy = [name for name, (method, _) in hf_runs.items() if method == "hf-greedy"]
     base, fastest = rate["hf-greedy"], max(rate[name] for name in greedy)
     summary = {}
     for name, s in stats.items():
         tps = rate[name]
         summary[name] = {
             "tokens_per_s": tps,
-            "tau": s.tokens / max(s.forwards, 1) if hf_method(name, "") else
+            "tau": s.tokens / max(s.forwards, 1) if name in hf_runs else
             (statistics.mean(s.accept_lengths) if s.accept_lengths else 1.0),
             "speedup": tps / base,
             **({"speedup_vs_fastest_hf_greedy": tps / fastest} if len(greedy) > 1 else {}),
@@ -262,8 +274,7 @@ def score_divergences(records, encoded, methods, hf_runs, models: dict, args) ->
     """``divergence_report`` for a run's methods; models: dtype -> the stock HF model in that dtype."""
     for dtype in ("float32", args.dtype, *(dtype for _, dtype in hf_runs.values())):
         if dtype not in models:
-            models[dtype] = load_target(args.target, dtype=dtype, device=args.device, attn_implementation="sdpa",
-                                        quiet=True, decode_linears=False).model
+            models[dtype] = load_stock(args.target, dtype, args.device)
     ran_on = {name: models[hf_runs[name][1] if name in hf_runs else args.dtype] for name in methods
               if name != "hf-greedy"}
     divergences = divergence_report(records, encoded, ran_on, models["float32"], models[args.dtype])
@@ -280,7 +291,7 @@ def rescore(path: Path, device: str) -> int:
     config = results["config"]
     methods = list(results["methods"])
     args = argparse.Namespace(target=config["target"], dtype=config["dtype"], device=device)
-    hf_runs = {name: hf_method(name, args.dtype) for name in methods if hf_method(name, args.dtype)}
+    hf_runs = hf_runs_of(methods, args.dtype)
     tokenizer = load_target(args.target, dtype=args.dtype, device=device, quiet=True).tokenizer
     prompts = {p["id"]: p["prompt"] for p in read_prompts(None if config["prompts"] == "mt-bench" else
                                                            config["prompts"])}
@@ -299,18 +310,16 @@ def main(argv=None) -> int:
         methods.insert(0, "hf-greedy")  # the baseline every ratio refers to
     prompts = read_prompts(args.prompts)[:: args.stride][: args.limit]
     target = load_target(args.target, dtype=args.dtype, device=args.device)
-    hf_runs = {name: hf_method(name, args.dtype) for name in methods if hf_method(name, args.dtype)}
+    hf_runs = hf_runs_of(methods, args.dtype)
     stock = {}  # dtype -> (stock HF model, its forward counter): one copy per dtype the HF methods run in
     for dtype in dict.fromkeys([args.dtype] + [dtype for _, dtype in hf_runs.values()]):
-        model = load_target(args.target, dtype=dtype, device=args.device, attn_implementation="sdpa", quiet=True,
-                            decode_linears=False).model
+        model = load_stock(args.target, dtype, args.device)
         stock[dtype] = (model, ForwardCounter(model))
     assistant = None
     if "hf-assisted" in methods:
         if not args.draft_model:
             raise SystemExit("hf-assisted needs --draft-model (a smaller model with the target's tokenizer)")
-        assistant = load_target(args.draft_model, dtype=args.dtype, device=args.device, attn_implementation="sdpa",
-                                quiet=True, decode_linears=False).model
+        assistant = load_stock(args.draft_model, args.dtype, args.device)
     eos = sorted(target.eos_token_ids)
     decoders = {}
     for name in methods:

@@ -124,6 +124,10 @@ def test_saved_heads_load_into_proposers_by_name(tmp_path):
     assert SpeculativeDecoder(target, medusa).tree_tokens == 3
     bf16 = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB).to(torch.bfloat16), identity="tiny")
     assert build_proposer("medusa", bf16, head=str(medusa_dir)).tree_tokens is None  # measured in float32 only
+    bf16_combined = build_proposer(f"medusa+ngram:{medusa_dir}", bf16)
+    assert bf16_combined.tree_tokens is None  # so the cost model sizes it, for lookup's acceptance where that is higher
+    assert bf16_combined.expected_acceptance == max(NgramProposer().expected_acceptance,
+                                                    bf16_combined.head.expected_acceptance)
     reference = hf_greedy("llama", PROMPTS[1], 30)
     for proposer in (eagle, medusa):
         assert SpeculativeDecoder(target, proposer, tree_tokens=8).generate(PROMPTS[1], 30).tokens == reference

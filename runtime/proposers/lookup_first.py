@@ -34,7 +34,9 @@ class LookupFirstProposer:
         self.name = f"{head.name}+{self.lookup.name}"
         self.hidden_layers = head.hidden_layers
         self.needs_hidden = head.needs_hidden
-        self.expected_acceptance = head.expected_acceptance
+        # Without a measured tree size the cost model sizes the tree; it has to hold lookup's chains as well as the
+        # head's guesses, so it is sized for the better of the two drafters.
+        self.expected_acceptance = max(head.expected_acceptance, self.lookup.expected_acceptance)
         self.tree_tokens = head.tree_tokens
 
     def start(self, prompt: torch.Tensor, max_length: int) -> Any:
