@@ -11,9 +11,7 @@ median milliseconds of --repeats passes per row count: PyTorch (``F.linear``) an
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
@@ -21,19 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a so
 import torch  # noqa: E402
 
 from heads.kernels import bf16_rows_matmul  # noqa: E402
+from scripts.bench_vocab_projection import median_ms  # noqa: E402
 
 # q, k, v, o, gate, up, down of one decoder layer: [out, in]
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
 
 
 @torch.inference_mode()
