@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent
+KERNEL_CPU_CAPABILITIES = ("AVX2", "AVX512")  # torch.backends.cpu.get_cpu_capability() values with AVX2 and FMA
 
 
 @functools.cache
@@ -23,7 +24,7 @@ def bf16_rows_matmul() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] |
 
     The reference it is tested against: ``x @ weight.float().T``.
     """
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if torch.backends.cpu.get_cpu_capability() not in KERNEL_CPU_CAPABILITIES:
         return None  # the kernel is written with AVX2/FMA intrinsics
     try:
         from torch.utils.cpp_extension import load

@@ -2,8 +2,8 @@
 
 Where the text repeats an earlier stretch (code, lists, quoted prompt text), a continuation found by n-gram lookup is
 right more often than a small head's guess (on the 80 MT-bench prompts with SmolLM2-135M, depth-1 acceptance 0.72
-against 0.48 for the shipped EAGLE-3 head) and costs almost nothing to find. Elsewhere lookup finds nothing and the head drafts. The
-head still reads every verified row, so its context is complete whenever it drafts next.
+against 0.48 for the shipped EAGLE-3 head) and costs almost nothing to find. Elsewhere lookup finds nothing and the
+head drafts. The head still reads every verified row, so its context is complete whenever it drafts next.
 
 Either tree is verified by the same exact acceptance, so the output stays the target's.
 """
