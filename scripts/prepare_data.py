@@ -55,6 +55,7 @@ def self_distill(out: Path, max_new_tokens: int, batch_size: int, max_turns: int
                          trust_remote_code=conf.target.trust_remote_code, attn_implementation="sdpa")
     tokenizer = target.tokenizer
     tokenizer.padding_side = "left"
+    tokenizer.truncation_side = "left"  # a long prompt keeps its end: the generation prompt the reply follows
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     conversations = collect_conversations(conf.data)

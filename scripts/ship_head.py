@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tree-dtype", default="float32",
                         help="the target dtype --tree-tokens was measured with (other dtypes use the cost model)")
     parser.add_argument("--train-seconds", type=float, help="wall time of the training run, recorded in the config")
+    parser.add_argument("--data-command", help="the command that made the run's training data, recorded in the config "
+                                               "(e.g. scripts/prepare_data.py selfdistill ...)")
+    parser.add_argument("--data-seconds", type=float, help="wall time of --data-command, recorded in the config")
     args = parser.parse_args(argv)
 
     head_dir = args.run_dir / "head"
@@ -61,13 +64,16 @@ def main(argv=None) -> int:
     if init_from and (Path(init_from) / CONFIG_NAME).is_file():  # a continued run: keep how its start was made
         start = read_head_config(Path(init_from)).get("training", {})
         config["training"]["continued_from"] = {key: start.get(key) for key in (
-            "command", "wall_seconds", "tokens_per_s_median", "final_eval", "continued_from") if key in start}
+            "data_command", "data_seconds", "command", "wall_seconds", "tokens_per_s_median", "final_eval", "note",
+            "continued_from") if key in start}
     config["training"].update({
         "command": "python training/train.py " + " ".join(overrides),
         "wall_seconds": args.train_seconds,
         "tokens_per_s_median": summary.get("tokens_per_s_median"),
         "final_eval": final,
     })
+    if args.data_command:
+        config["training"].update(data_command=args.data_command, data_seconds=args.data_seconds)
     dtype = parse_dtype(args.dtype)
     state = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
              for name, tensor in load_file(str(head_dir / WEIGHTS_NAME)).items()}

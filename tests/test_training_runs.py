@@ -65,10 +65,13 @@ def check_shipping(run_dir: Path, into: Path, target_dir: Path) -> None:
     from runtime.target import load_target
     from scripts.ship_head import main
 
-    assert main([str(run_dir), "tiny-medusa", "--into", str(into), "--train-seconds", "12"]) == 0
+    data_command = "python scripts/prepare_data.py selfdistill --out sd.jsonl"
+    assert main([str(run_dir), "tiny-medusa", "--into", str(into), "--train-seconds", "12",
+                 "--data-command", data_command, "--data-seconds", "5"]) == 0
     shipped = into / "tiny-medusa"
     config = json.loads((shipped / "config.json").read_text())
     assert config["training"]["wall_seconds"] == 12 and config["training"]["command"].startswith("python training/")
+    assert config["training"]["data_command"] == data_command and config["training"]["data_seconds"] == 5
     assert all(t.dtype == torch.bfloat16 for t in load_file(str(shipped / "model.safetensors")).values())
     proposer = build_proposer("medusa", load_target(str(target_dir)), head=str(shipped))
     assert proposer.head_accuracy == config["tree"]["acceptance"]
