@@ -41,6 +41,16 @@ def dump_features(overrides: list[str]) -> None:
         print(f"offline features of {len(splits['train'])} samples in {store}")
 
 
+def encode_prompts(tokenizer, prompts: list[str], max_length: int):
+    """A left-padded batch of chat prompts ([B, T] ``input_ids`` and ``attention_mask``, T <= max_length) for
+    ``generate``. A prompt longer than ``max_length`` loses its start, not its end: the end is the generation prompt
+    that the reply follows."""
+    tokenizer.padding_side = "left"
+    tokenizer.truncation_side = "left"
+    return tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=max_length,
+                     add_special_tokens=False)
+
+
 def self_distill(out: Path, max_new_tokens: int, batch_size: int, max_turns: int, overrides: list[str]) -> None:
     """Replace every assistant turn (up to ``max_turns`` per conversation) by the target's greedy reply to the
     conversation so far (its own earlier replies included). Appends to ``out``; conversations already there are
@@ -54,8 +64,6 @@ def self_distill(out: Path, max_new_tokens: int, batch_size: int, max_turns: int
     target = load_target(conf.target.name, dtype=dtype, device=device,
                          trust_remote_code=conf.target.trust_remote_code, attn_implementation="sdpa")
     tokenizer = target.tokenizer
-    tokenizer.padding_side = "left"
-    tokenizer.truncation_side = "left"  # a long prompt keeps its end: the generation prompt the reply follows
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     conversations = collect_conversations(conf.data)
@@ -85,8 +93,7 @@ def self_distill(out: Path, max_new_tokens: int, batch_size: int, max_turns: int
                         rows.append(row)
                 if not prompts:
                     break
-                encoded = tokenizer(prompts, return_tensors="pt", padding=True, truncation=True,
-                                    max_length=conf.data.max_length, add_special_tokens=False).to(device)
+                encoded = encode_prompts(tokenizer, prompts, conf.data.max_length).to(device)
                 with torch.no_grad():
                     generated = target.model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=False,
                                                       eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)

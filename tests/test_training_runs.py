@@ -229,6 +229,24 @@ def test_self_distillation_regenerates_replies_and_resumes(tiny, tmp_path):
     assert len(list(read_records("json", str(out), "train", None))) == 5
 
 
+def test_self_distillation_prompts_keep_their_end(tiny):
+    from runtime.target import load_target
+    from scripts.prepare_data import encode_prompts
+
+    tokenizer = load_target(str(tiny[0])).tokenizer
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    short, long = "the sea", " ".join(["a long question about the sea"] * 8) + " assistant:"
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in (short, long)]
+    width = len(ids[0]) + 3
+    assert len(ids[1]) > width
+    encoded = encode_prompts(tokenizer, [short, long], max_length=width)
+    assert encoded["input_ids"].shape == (2, width)
+    assert encoded["input_ids"][1].tolist() == ids[1][-width:]  # truncated at the start: the generation prompt stays
+    assert encoded["input_ids"][0, 3:].tolist() == ids[0]  # padded on the left
+    assert encoded["attention_mask"][0].tolist() == [0] * 3 + [1] * len(ids[0])
+
+
 def test_init_from_continues_a_trained_head(tiny, tmp_path):
     first = run_config(tiny, tmp_path / "first", "eagle3", 8, ["trainer.lr=3e-3"])
     again = run_config(tiny, tmp_path / "again", "eagle3", 1, [f"init_from={tmp_path / 'first' / 'head'}",
