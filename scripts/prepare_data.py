@@ -44,9 +44,11 @@ def dump_features(overrides: list[str]) -> None:
 def encode_prompts(tokenizer, prompts: list[str], max_length: int):
     """A left-padded batch of chat prompts ([B, T] ``input_ids`` and ``attention_mask``, T <= max_length) for
     ``generate``. A prompt longer than ``max_length`` loses its start, not its end: the end is the generation prompt
-    that the reply follows."""
+    that the reply follows. A tokenizer without a pad token pads with its end-of-sequence token."""
     tokenizer.padding_side = "left"
     tokenizer.truncation_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
     return tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=max_length,
                      add_special_tokens=False)
 
@@ -64,8 +66,6 @@ def self_distill(out: Path, max_new_tokens: int, batch_size: int, max_turns: int
     target = load_target(conf.target.name, dtype=dtype, device=device,
                          trust_remote_code=conf.target.trust_remote_code, attn_implementation="sdpa")
     tokenizer = target.tokenizer
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
     conversations = collect_conversations(conf.data)
     done = set()
     if out.is_file():

@@ -234,8 +234,6 @@ def test_self_distillation_prompts_keep_their_end(tiny):
     from scripts.prepare_data import encode_prompts
 
     tokenizer = load_target(str(tiny[0])).tokenizer
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
     short, long = "the sea", " ".join(["a long question about the sea"] * 8) + " assistant:"
     ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in (short, long)]
     width = len(ids[0]) + 3
