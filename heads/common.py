@@ -14,7 +14,7 @@ import json
 import torch
 from torch import nn
 
-from heads.kernels import bf16_rows_matmul
+from heads.kernels import bf16_rows_linear
 
 
 def stock_classes(config) -> tuple[type, type]:
@@ -118,11 +118,10 @@ def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if rows > WEIGHT_MAJOR_MAX_ROWS or hidden.device.type != "cpu" or torch.is_grad_enabled():
         return torch.nn.functional.linear(hidden, weight, bias)
     flat = hidden.reshape(rows, hidden.shape[-1])
-    if rows > 1 and weight.dtype == hidden.dtype == torch.bfloat16 and (kernel := bf16_rows_matmul()) is not None:
+    if rows > 1 and weight.dtype == hidden.dtype == torch.bfloat16 and (kernel := bf16_rows_linear()) is not None:
         # One row stays on PyTorch's bf16 product, which is about as fast and gives plain decoding HF's exact numbers.
-        out = kernel(flat.float().contiguous(), weight.contiguous())
-        out = out if bias is None else out + bias.float()
-        return out.to(hidden.dtype).reshape(*hidden.shape[:-1], weight.shape[0])
+        out = kernel(flat.contiguous(), weight.contiguous(), bias)
+        return out.reshape(*hidden.shape[:-1], weight.shape[0])
     # The product comes out as [N, rows]; handing a transposed view on would make every later op (rotary, SDPA,
     # which then falls back to its slow math kernel) work on a strided tensor, so copy the few rows once.
     out = torch.mm(weight, flat.t()).t().contiguous().reshape(*hidden.shape[:-1], weight.shape[0])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from heads.common import decode_linear
-from heads.kernels import KERNEL_CPU_CAPABILITIES, bf16_rows_matmul
+from heads.kernels import KERNEL_CPU_CAPABILITIES, bf16_rows_linear, bf16_rows_matmul
 
 
 def kernel_or_fail():
@@ -35,6 +35,29 @@ def test_bf16_rows_matmul_rejects_wrong_inputs():
         kernel(torch.randn(2, 8), torch.randn(4, 8))
     with pytest.raises(RuntimeError, match="x \\[M, K\\]"):
         kernel(torch.randn(2, 8), torch.randn(4, 6).bfloat16())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_rows_linear_equals_fp32_kernel_then_one_rounding(rows, with_bias):
+    kernel = kernel_or_fail()
+    generator = torch.Generator().manual_seed(rows * 10 + with_bias)
+    x = torch.randn(rows, 100, generator=generator).bfloat16()  # K = 100: no multiple of 8
+    weight = torch.randn(300, 100, generator=generator).bfloat16()
+    bias = torch.randn(300, generator=generator).bfloat16() if with_bias else None
+    got = bf16_rows_linear()(x, weight, bias)
+    product = kernel(x.float(), weight)
+    reference = (product if bias is None else product + bias.float()).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 300)
+    assert torch.equal(got.view(torch.int16), reference.view(torch.int16))  # bit for bit
+
+
+def test_bf16_rows_linear_rejects_wrong_inputs():
+    kernel_or_fail()
+    with pytest.raises(RuntimeError, match="bfloat16 rows"):
+        bf16_rows_linear()(torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        bf16_rows_linear()(torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16(), torch.randn(5).bfloat16())
 
 
 @pytest.mark.parametrize("rows", [2, 4, 7])
