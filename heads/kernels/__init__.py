@@ -37,6 +37,7 @@ def _bf16_rows_module():
         return None
 
 
+@functools.cache
 def bf16_rows_matmul() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     """x [M, K] float32 @ weight [N, K] bfloat16 ^T -> [M, N] float32 (fp32 accumulation), or None.
 
@@ -46,6 +47,7 @@ def bf16_rows_matmul() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] |
     return None if module is None else module.bf16_rows_matmul
 
 
+@functools.cache
 def bf16_rows_linear() -> Callable[..., torch.Tensor] | None:
     """(x [M, K] bfloat16, weight [N, K] bfloat16, bias [N] or None) -> [M, N] bfloat16, or None.
 
