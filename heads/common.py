@@ -7,14 +7,30 @@ target's config class in transformers, never re-implemented here.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import importlib
+import inspect
 import json
 
 import torch
 from torch import nn
 
 from heads.kernels import bf16_rows_linear
+
+
+def cache_argument(module: nn.Module, cache) -> dict:
+    """``{name: cache}`` to pass a cache object to a stock transformers model, decoder layer or attention module.
+
+    transformers 5.24 renamed the argument from ``past_key_values`` to ``cache``; the old name still works there
+    with a FutureWarning and goes away in 5.40, while releases before 5.24 know only the old name.
+    """
+    return {_cache_argument_name(type(module).forward): cache}
+
+
+@functools.cache
+def _cache_argument_name(forward) -> str:
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
 def stock_classes(config) -> tuple[type, type]:

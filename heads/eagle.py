@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.common import head_layer_config, softcap_logits, stock_classes, vocab_logits
+from heads.common import cache_argument, head_layer_config, softcap_logits, stock_classes, vocab_logits
 
 KINDS = ("eagle", "eagle3")
 
@@ -173,7 +173,7 @@ class EagleHead(nn.Module):
             position_embeddings = self.rotary(hidden, position_ids)
             for layer in self.layers:
                 hidden = layer(hidden, attention_mask=attention_mask, position_ids=position_ids,
-                               past_key_values=cache, position_embeddings=position_embeddings)
+                               position_embeddings=position_embeddings, **cache_argument(layer, cache))
             return hidden
         if features.shape[-1] == 3 * self.hidden_size:
             features = self.fc(features)
@@ -184,7 +184,8 @@ class EagleHead(nn.Module):
         position_embeddings = self.rotary(features, position_ids)
         attention_input = torch.cat((layer.input_layernorm(embeds), layer.hidden_norm(features)), dim=-1)
         attended, _ = layer.self_attn(hidden_states=attention_input, position_embeddings=position_embeddings,
-                                      attention_mask=attention_mask, past_key_values=cache, position_ids=position_ids)
+                                      attention_mask=attention_mask, position_ids=position_ids,
+                                      **cache_argument(layer.self_attn, cache))
         hidden = features + attended
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 

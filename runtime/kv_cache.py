@@ -33,7 +33,7 @@ def compact_kv(kv: torch.Tensor, lengths: torch.Tensor, keep: torch.Tensor, n_ke
 
 
 class KVCache:
-    """Preallocated cache shaped for a transformers model; pass it as ``past_key_values``.
+    """Preallocated cache shaped for a transformers model; pass it with ``heads.common.cache_argument``.
 
     Only ``update`` is called by the model. ``lengths`` is the committed length per row (LongTensor [B]).
     """

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from heads.common import softcap_logits, use_decode_linears, vocab_logits
+from heads.common import cache_argument, softcap_logits, use_decode_linears, vocab_logits
 from runtime import attention
 from runtime.assets import SMOLLM2_GGUF, cache_dir, packaged_file
 from runtime.kv_cache import KVCache
@@ -121,8 +121,8 @@ class Target:
         ``logits_from ..`` only (a prefill needs just the last one). ``hidden_layers`` are decoder-layer indices
         whose inputs are returned (layer i's input is hidden_states[i]).
         """
-        outputs = self.decoder(input_ids=input_ids, position_ids=position_ids, past_key_values=cache,
-                               attention_mask=attention_mask, use_cache=True,
+        outputs = self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                               use_cache=True, **cache_argument(self.decoder, cache),
                                output_hidden_states=bool(hidden_layers), tree_backend=backend,
                                prefix_len=prefix_len)
         hidden = outputs.last_hidden_state

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a so
 
 import torch  # noqa: E402
 
+from heads.common import cache_argument  # noqa: E402
 from runtime.target import DEFAULT_TARGET, load_target  # noqa: E402
 from runtime.tree import Tree, verification_mask  # noqa: E402
 
@@ -136,8 +137,8 @@ def main(argv=None) -> int:
         inductor_config.freezing = args.freezing
 
         def step(input_ids, position_ids, kv, slots, mask):
-            out = target.decoder(input_ids=input_ids, position_ids=position_ids, past_key_values=StaticBufferCache(
-                kv, slots), attention_mask=mask, use_cache=True, tree_backend="sdpa")
+            out = target.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                                 tree_backend="sdpa", **cache_argument(target.decoder, StaticBufferCache(kv, slots)))
             return target.logits(out.last_hidden_state)
 
         compiled = torch.compile(step, dynamic=False)

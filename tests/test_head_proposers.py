@@ -145,6 +145,20 @@ def test_head_proposers_with_a_one_node_budget_decode_plainly(name):
     assert result.tokens == hf_greedy("llama", PROMPTS[0], 12) and result.tau == 1.0
 
 
+@pytest.mark.parametrize("name", ["eagle", "eagle3"])
+def test_target_and_heads_pass_the_cache_under_the_installed_transformers_name(name):
+    # transformers 5.24 renamed past_key_values to cache (the old name warns, then goes in 5.40): decoding must use
+    # whichever name the installed release declares, so no deprecation warning may come up
+    import warnings
+
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    decoder = SpeculativeDecoder(target, head_proposers(target)[name], tree_tokens=6)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        result = decoder.generate(PROMPTS[0], 12)
+    assert result.tokens == hf_greedy("llama", PROMPTS[0], 12)
+
+
 def test_lookup_first_drafts_by_lookup_where_the_text_repeats_and_by_the_head_elsewhere():
     from runtime.proposers.base import ProposeInput
 
