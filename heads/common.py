@@ -16,7 +16,7 @@ import json
 import torch
 from torch import nn
 
-from heads.kernels import bf16_rows_linear
+from heads.kernels import bf16_rows_linear, native_bf16_matmul
 
 
 def cache_argument(module: nn.Module, cache) -> dict:
@@ -128,10 +128,18 @@ def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     on CPU depends on the BLAS call's operand order. Few rows go through ``weight @ hidden^T``, the rest (and
     anything that needs gradients, or runs off CPU) through F.linear. In bfloat16, 2-16 rows go through the compiled
     row kernel (``heads.kernels``): PyTorch's bf16 product on a CPU without bf16 matrix instructions costs about one
-    one-row product per row, the kernel reads the weights once.
+    one-row product per row, the kernel reads the weights once. Many bf16 rows (a prefill) on such a CPU go through
+    an fp32 product of the upcast operands.
     """
+    if hidden.device.type != "cpu" or torch.is_grad_enabled():
+        return torch.nn.functional.linear(hidden, weight, bias)
     rows = hidden.numel() // hidden.shape[-1]
-    if rows > WEIGHT_MAJOR_MAX_ROWS or hidden.device.type != "cpu" or torch.is_grad_enabled():
+    if rows > WEIGHT_MAJOR_MAX_ROWS:
+        if weight.dtype == hidden.dtype == torch.bfloat16 and not native_bf16_matmul():
+            # The same numbers as the bf16 product (bf16 products are exact in fp32, fp32 sums, one rounding at the
+            # end), in another summation order; 5-6x faster here: 2.8 vs 17.4 ms for 150 rows of a 1536 x 576 layer.
+            return torch.nn.functional.linear(hidden.float(), weight.float(),
+                                              None if bias is None else bias.float()).to(torch.bfloat16)
         return torch.nn.functional.linear(hidden, weight, bias)
     flat = hidden.reshape(rows, hidden.shape[-1])
     if rows > 1 and weight.dtype == hidden.dtype == torch.bfloat16 and (kernel := bf16_rows_linear()) is not None:

@@ -81,8 +81,19 @@ class KVCache:
 
     def compact(self, keep: torch.Tensor, n_keep: torch.Tensor) -> None:
         """Keep written entries ``keep[b, :n_keep[b]]`` (indices relative to the row's length); see compact_kv."""
-        compact_kv(self.kv, self.lengths, keep, n_keep)
+        if self.kv.shape[2] == 1:
+            self._compact_one_row(keep[0, : int(n_keep[0])].tolist())
+        else:
+            compact_kv(self.kv, self.lengths, keep, n_keep)
         self.commit(n_keep)
+
+    def _compact_one_row(self, kept: list[int]) -> None:
+        """compact_kv for batch 1: copy only the entries that move (none when the kept path leads the tree, as a
+        chain's always does). The scatter over the whole buffer took 2-4 ms a step on CPU; this takes microseconds."""
+        start = self._max_len
+        for slot, node in enumerate(kept):
+            if node != slot:  # kept nodes ascend, so node > slot: no later source is an earlier destination
+                self.kv[:, :, 0, :, start + slot].copy_(self.kv[:, :, 0, :, start + node])
 
     def crop(self, length: int) -> None:
         """Forget everything after ``length`` in every row."""

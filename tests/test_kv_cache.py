@@ -62,3 +62,20 @@ def test_compact_kv_overlapping_moves():
     kv = torch.arange(10).float().view(1, 1, 1, 1, 10, 1).clone()
     compact_kv(kv, torch.tensor([0]), torch.tensor([[1, 2, 3, 4]]), torch.tensor([4]))
     assert kv.flatten()[:4].tolist() == [1, 2, 3, 4]
+
+
+def test_batch_one_compaction_equals_compact_kv():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        cache = KVCache(2, 1, 2, 3, 24, torch.float32, "cpu")
+        cache.kv.normal_(generator=generator)
+        length = int(torch.randint(0, 10, (1,), generator=generator))
+        cache.commit(length)
+        written = int(torch.randint(1, 8, (1,), generator=generator))
+        count = int(torch.randint(1, written + 1, (1,), generator=generator))
+        keep = torch.randperm(written, generator=generator)[:count].sort().values[None]
+        expected = cache.kv.clone()
+        compact_kv(expected, torch.tensor([length]), keep, torch.tensor([count]))
+        cache.compact(keep, torch.tensor([count]))
+        assert torch.equal(cache.kv[..., : length + count, :], expected[..., : length + count, :]), trial
+        assert cache.lengths.tolist() == [length + count]

@@ -1,7 +1,8 @@
 """Compiled CPU kernels, built on first use, each beside the PyTorch expression it must equal.
 
 ``bf16_rows_matmul``: a few rows times a bfloat16 weight matrix, reading the weights once (bf16_rows.cpp);
-``bf16_rows_linear``: the same product as a whole bf16 linear layer (bf16 rows in, bias, bf16 rows out). Built with
+``bf16_rows_linear``: the same product as a whole bf16 linear layer (bf16 rows in, bias, bf16 rows out);
+``native_bf16_matmul``: whether the CPU has bf16 matrix instructions, which make PyTorch's own bf16 product fast. Built with
 torch's C++ extension loader (a C++ compiler and ninja; the build is cached by torch, about a minute the first time).
 Where it cannot be built, callers get None and keep PyTorch's own product.
 """
@@ -56,3 +57,11 @@ def bf16_rows_linear() -> Callable[..., torch.Tensor] | None:
     """
     module = _bf16_rows_module()
     return None if module is None else module.bf16_rows_linear
+
+
+@functools.cache
+def native_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (AMX tiles or AVX512-BF16), where PyTorch's bf16
+    product is fast; without them it converts operands piecewise and runs several times slower than fp32."""
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
