@@ -29,6 +29,9 @@ from runtime.proposers import LOOKUP_FIRST, build_proposer  # noqa: E402
 from runtime.target import DEFAULT_TARGET, load_target  # noqa: E402
 
 HF_METHODS = ("hf-greedy", "hf-pld", "hf-assisted")  # hf-assisted: HF assisted generation with --draft-model
+# hf-early-exit[:N]: HF assisted generation whose draft is the target's own first N layers (default a quarter of
+# them) under its final norm and LM head, the one assisted-generation draft every user of the target has.
+EARLY_EXIT = "hf-early-exit"
 # hf-greedy-bf16 runs HF greedy on a bfloat16 copy of the target: on CPUs where one bf16 token is faster than one
 # fp32 token, that is the baseline to beat, so it runs beside the others and gets its own speedup column.
 HF_DTYPE_SUFFIXES = {"-bf16": "bfloat16", "-fp32": "float32"}
@@ -40,7 +43,20 @@ def hf_method(name: str, default_dtype: str) -> tuple[str, str] | None:
     for suffix, dtype in HF_DTYPE_SUFFIXES.items():
         if name.endswith(suffix) and name[: -len(suffix)] in ("hf-greedy", "hf-pld"):
             return name[: -len(suffix)], dtype
+    if name == EARLY_EXIT or name.startswith(EARLY_EXIT + ":"):
+        return name, default_dtype
     return (name, default_dtype) if name in HF_METHODS else None
+
+
+def early_exit_layers(method: str, model) -> int:
+    """The draft depth of ``hf-early-exit[:N]``, checked against the target's layer count."""
+    layers = model.config.num_hidden_layers
+    _, _, given = method.partition(":")
+    if not given:
+        return max(1, layers // 4)
+    if not given.isdigit() or not 1 <= int(given) < layers:
+        raise SystemExit(f"{method}: N must be a layer count from 1 to {layers - 1} (the target has {layers} layers)")
+    return int(given)
 
 
 def hf_runs_of(methods, default_dtype: str) -> dict[str, tuple[str, str]]:
@@ -77,20 +93,24 @@ class MethodStats:
 
 
 class ForwardCounter:
-    """Counts forward calls of an HF model (to get tau for HF's own methods)."""
+    """Counts full forward calls of an HF model (to get tau for HF's own methods). An early-exit draft runs through
+    the same model with ``config.num_hidden_layers`` lowered for the call; those passes are drafts, not counted."""
 
     def __init__(self, model):
         self.count = 0
+        self.layers = model.config.num_hidden_layers
         model.register_forward_pre_hook(self._hook)
 
     def _hook(self, module, args):
-        self.count += 1
+        self.count += module.config.num_hidden_layers == self.layers
 
 
 def run_hf(model, counter, ids, method, max_new_tokens, eos, temperature=0.0, seed=0, assistant=None):
     extra = {"prompt_lookup_num_tokens": 10} if method == "hf-pld" else {}
     if method == "hf-assisted":
         extra["assistant_model"] = assistant
+    if method.startswith(EARLY_EXIT):
+        extra["assistant_early_exit"] = early_exit_layers(method, model)
     if temperature > 0:  # plain temperature sampling, as our decoder does (no top-k/top-p from generation_config)
         extra.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
         torch.manual_seed(seed)
@@ -183,7 +203,9 @@ def parse_args(argv=None):
                                           "given); heads as medusa:DIR, eagle:DIR, eagle3:DIR (medusa alone: the "
                                           "shipped head); HEAD+ngram: prompt lookup where it finds a match, "
                                           "the head elsewhere; METHOD@N fixes that method's tree size to N nodes; "
-                                          "hf-greedy-bf16 and hf-pld-bf16 run HF on a bfloat16 copy of the target")
+                                          "hf-greedy-bf16 and hf-pld-bf16 run HF on a bfloat16 copy of the target; "
+                                          "hf-early-exit[:N]: HF assisted generation drafting with the target's first "
+                                          "N layers (default: a quarter of them)")
     parser.add_argument("--draft-model")
     parser.add_argument("--prompts", help="JSONL prompts (default: MT-bench first turns)")
     parser.add_argument("--limit", type=int)

@@ -146,6 +146,26 @@ def test_hf_method_names_carry_an_optional_dtype():
     assert hf_method("ngram", "float32") is None and hf_method("eagle3-bf16", "float32") is None
 
 
+def test_hf_early_exit_reproduces_greedy_and_counts_only_full_target_passes():
+    from scripts.benchmark import ForwardCounter, early_exit_layers, hf_method, run_hf
+
+    assert hf_method("hf-early-exit", "bfloat16") == ("hf-early-exit", "bfloat16")
+    assert hf_method("hf-early-exit:2", "float32") == ("hf-early-exit:2", "float32")
+    model = tiny_model("llama", num_hidden_layers=4).eval()
+    assert early_exit_layers("hf-early-exit", model) == 1 and early_exit_layers("hf-early-exit:3", model) == 3
+    for bad in ("hf-early-exit:4", "hf-early-exit:0", "hf-early-exit:x"):
+        with pytest.raises(SystemExit, match="layer count from 1 to 3"):
+            early_exit_layers(bad, model)
+    counter = ForwardCounter(model)
+    ids = torch.tensor([5, 9, 2, 7, 5, 9])
+    greedy, _, greedy_passes, _ = run_hf(model, counter, ids, "hf-greedy", 12, [0])
+    drafted, _, passes, _ = run_hf(model, counter, ids, "hf-early-exit:2", 12, [0])
+    assert drafted == greedy and greedy_passes == len(greedy)
+    # A random model's early exit drafts are mostly rejected: about one full pass a token. Counting the draft's own
+    # passes too would give several a token.
+    assert 1 < passes <= len(drafted) + 1
+
+
 def test_benchmark_runs_hf_greedy_in_bf16_beside_fp32(tiny_dir, tmp_path):
     from scripts.benchmark import main
 
