@@ -1,10 +1,10 @@
 """Compiled CPU kernels, built on first use, each beside the PyTorch expression it must equal.
 
 ``bf16_rows_matmul``: a few rows times a bfloat16 weight matrix, reading the weights once (bf16_rows.cpp);
-``bf16_rows_linear``: the same product as a whole bf16 linear layer (bf16 rows in, bias, bf16 rows out);
-``native_bf16_matmul``: whether the CPU has bf16 matrix instructions, which make PyTorch's own bf16 product fast. Built with
+``bf16_rows_linear``: the same product as a whole bf16 linear layer (bf16 rows in, bias, bf16 rows out). Built with
 torch's C++ extension loader (a C++ compiler and ninja; the build is cached by torch, about a minute the first time).
 Where it cannot be built, callers get None and keep PyTorch's own product.
+``native_bf16_matmul``: whether the CPU has bf16 matrix instructions, which make PyTorch's own bf16 product fast.
 """
 
 from __future__ import annotations
