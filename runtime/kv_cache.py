@@ -80,20 +80,16 @@ class KVCache:
         self._max_len = int(self.lengths.max())
 
     def compact(self, keep: torch.Tensor, n_keep: torch.Tensor) -> None:
-        """Keep written entries ``keep[b, :n_keep[b]]`` (indices relative to the row's length); see compact_kv."""
-        if self.kv.shape[2] == 1:
-            self._compact_one_row(keep[0, : int(n_keep[0])].tolist())
-        else:
-            compact_kv(self.kv, self.lengths, keep, n_keep)
-        self.commit(n_keep)
+        """Keep written entries ``keep[b, :n_keep[b]]`` (indices relative to the row's length); see compact_kv.
 
-    def _compact_one_row(self, kept: list[int]) -> None:
-        """compact_kv for batch 1: copy only the entries that move (none when the kept path leads the tree, as a
-        chain's always does). The scatter over the whole buffer took 2-4 ms a step on CPU; this takes microseconds."""
-        start = self._max_len
-        for slot, node in enumerate(kept):
-            if node != slot:  # kept nodes ascend, so node > slot: no later source is an earlier destination
-                self.kv[:, :, 0, :, start + slot].copy_(self.kv[:, :, 0, :, start + node])
+        Only the slots from the shortest row's length to the longest row's last kept entry can move, so
+        compaction works on that window: over the whole buffer the gather and scatter cost 5-9 ms a step on CPU at
+        300-700 slots, over the window about 0.4 ms."""
+        start = int(self.lengths.min())
+        # sources reach the largest kept index past a row's length, destinations (padding included) the keep width
+        window = self.kv[..., start: self._max_len + max(int(keep.max()) + 1, keep.shape[1]), :]
+        compact_kv(window, self.lengths - start, keep, n_keep)
+        self.commit(n_keep)
 
     def crop(self, length: int) -> None:
         """Forget everything after ``length`` in every row."""

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from runtime.kv_cache import KVCache, compact_kv
@@ -64,18 +65,24 @@ def test_compact_kv_overlapping_moves():
     assert kv.flatten()[:4].tolist() == [1, 2, 3, 4]
 
 
-def test_batch_one_compaction_equals_compact_kv():
-    generator = torch.Generator().manual_seed(0)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_cache_compaction_equals_compact_kv_over_the_whole_buffer(batch):
+    generator = torch.Generator().manual_seed(batch)
     for trial in range(20):
-        cache = KVCache(2, 1, 2, 3, 24, torch.float32, "cpu")
+        cache = KVCache(2, batch, 2, 3, 24, torch.float32, "cpu")
         cache.kv.normal_(generator=generator)
-        length = int(torch.randint(0, 10, (1,), generator=generator))
-        cache.commit(length)
+        lengths = torch.randint(0, 10, (batch,), generator=generator)
+        cache.commit(lengths)
         written = int(torch.randint(1, 8, (1,), generator=generator))
-        count = int(torch.randint(1, written + 1, (1,), generator=generator))
-        keep = torch.randperm(written, generator=generator)[:count].sort().values[None]
+        count = torch.randint(1, written + 1, (batch,), generator=generator)
+        keep = torch.zeros(batch, written, dtype=torch.long)  # zero padding past each row's count
+        for row in range(batch):
+            chosen = torch.randperm(written, generator=generator)[: int(count[row])].sort().values
+            keep[row, : len(chosen)] = chosen
         expected = cache.kv.clone()
-        compact_kv(expected, torch.tensor([length]), keep, torch.tensor([count]))
-        cache.compact(keep, torch.tensor([count]))
-        assert torch.equal(cache.kv[..., : length + count, :], expected[..., : length + count, :]), trial
-        assert cache.lengths.tolist() == [length + count]
+        compact_kv(expected, lengths, keep, count)
+        cache.compact(keep, count)
+        for row in range(batch):
+            end = int(lengths[row] + count[row])
+            assert torch.equal(cache.kv[:, :, row, :, :end], expected[:, :, row, :, :end]), trial
+        assert cache.lengths.tolist() == (lengths + count).tolist()
