@@ -167,18 +167,25 @@ def test_lookup_first_drafts_by_lookup_where_the_text_repeats_and_by_the_head_el
     combined = LookupFirstProposer(head)
     sampling = SamplingParams(temperature=0.0)
 
-    def first_tree(proposer, prompt):
-        out = target.forward(torch.tensor([prompt[:-1]]), torch.arange(len(prompt) - 1)[None],
-                             target.new_cache(1, 64), None, logits_from=0)
-        step = ProposeInput(torch.tensor(prompt), out.hidden[0], (), 6, sampling, None)
-        state = proposer.start(torch.tensor(prompt), 64)
-        return proposer.propose(state, step), state
+    def features(history):
+        return target.forward(torch.tensor([history[:-1]]), torch.arange(len(history) - 1)[None],
+                              target.new_cache(1, 64), None, logits_from=0).hidden[0]
+
+    def step(history, hidden):
+        return ProposeInput(torch.tensor(history), hidden, (), 6, sampling, None)
 
     repeating = [7, 8, 9, 7, 8]  # "7 8" occurred before, followed by 9 7 8
-    tree, state = first_tree(combined, repeating)
+    state = combined.start(torch.tensor(repeating), 64)
+    hidden = features(repeating)
+    tree = combined.propose(state, step(repeating, hidden))
     assert tree.tokens.tolist() == [8, 9, 7, 8]
-    assert state.cache.max_committed == len(repeating) - 1  # the head still read every verified row
-    fresh = [3, 4, 5, 6]
-    tree, _ = first_tree(combined, fresh)
-    expected, _ = first_tree(head, fresh)
-    assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.parents, expected.parents)
+    assert state.head.cache.max_committed == 0  # the verified rows wait until the head drafts
+    # the next step finds no match ("8 5" did not occur before): the head reads the waiting rows and this step's
+    # together, and drafts what it drafts alone over the same history
+    longer = repeating + [5]
+    hidden = features(longer)
+    tree = combined.propose(state, step(longer, hidden[len(repeating) - 1:]))
+    assert state.head.cache.max_committed == len(longer) - 1
+    alone = head.propose(head.start(torch.tensor(longer), 64), step(longer, hidden))
+    assert torch.equal(tree.tokens, alone.tokens) and torch.equal(tree.parents, alone.parents)
+    assert tree.size > 1

@@ -60,11 +60,9 @@ class EagleProposer:
             return torch.cat(step.new_layer_hidden, dim=-1)
         return step.new_hidden
 
-    @torch.inference_mode()
-    def observe(self, state: EagleState, step: ProposeInput) -> torch.Tensor:
-        """Run the head over the rows verified since the last call and keep them in its cache, without drafting.
-        ``propose`` starts with it; alone it serves steps another proposer drafts (runtime.proposers.lookup_first).
-        Returns the head's output for the newest row [H]."""
+    def _read_verified_rows(self, state: EagleState, step: ProposeInput) -> torch.Tensor:
+        """Run the head over the rows verified since it last drafted and keep them in its cache. Returns the
+        head's output for the newest row [H]."""
         history, cache, head = step.history, state.cache, self.head
         context = history.numel()
         done = cache.max_committed
@@ -83,7 +81,7 @@ class EagleProposer:
     def propose(self, state: EagleState, step: ProposeInput) -> Tree:
         history, cache, head = step.history, state.cache, self.head
         context = history.numel()
-        root_hidden = self.observe(state, step)  # only the newest row drafts: one row through the LM head
+        root_hidden = self._read_verified_rows(state, step)  # only the newest row drafts: one row through the LM head
         depth = min(self.depth, step.budget - 1)
         root = int(history[-1])
         if depth <= 0:

@@ -3,14 +3,21 @@
 Where the text repeats an earlier stretch (code, lists, quoted prompt text), a continuation found by n-gram lookup is
 right more often than a small head's guess (on the 80 MT-bench prompts with SmolLM2-135M, depth-1 acceptance 0.72
 against 0.48 for the shipped EAGLE-3 head) and costs almost nothing to find. Elsewhere lookup finds nothing and the
-head drafts. The head still reads every verified row, so its context is complete whenever it drafts next.
+head drafts.
+
+The head must read every verified row before it drafts (an EAGLE head keeps its own cache over the context), but
+not at once: rows verified in lookup steps wait, and the head reads them together with the rows of the step in which
+it next drafts. One head pass over the rows of several steps costs about as much as a pass over one step's rows
+(a decode-sized pass is bound by reading the weights and by per-call overhead), so lookup steps cost the head
+nothing.
 
 Either tree is verified by the same exact acceptance, so the output stays the target's.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -19,16 +26,29 @@ from runtime.proposers.ngram import NgramProposer
 from runtime.tree import Tree
 
 
-class ObservingProposer(Proposer, Protocol):
-    """A head proposer that can also take in the verified rows of a step without drafting from them."""
+@dataclass
+class LookupFirstState:
+    """The head's own state, and the target features of rows verified since the head last drafted."""
 
-    def observe(self, state: Any, step: ProposeInput) -> Any: ...
+    head: Any
+    hidden: list[torch.Tensor] = field(default_factory=list)  # each [A, H]
+    layer_hidden: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # each a tuple of [A, H]
+
+
+def _with_pending(state: LookupFirstState, step: ProposeInput) -> ProposeInput:
+    """``step`` with the waiting rows' features in front of its own (rows in history order)."""
+    if not state.hidden and not state.layer_hidden:
+        return step
+    hidden = None if step.new_hidden is None else torch.cat([*state.hidden, step.new_hidden])
+    layer_hidden = tuple(torch.cat(parts) for parts in zip(*state.layer_hidden, step.new_layer_hidden))
+    state.hidden, state.layer_hidden = [], []
+    return ProposeInput(step.history, hidden, layer_hidden, step.budget, step.sampling, step.generator)
 
 
 class LookupFirstProposer:
     """``head`` drafts the steps where ``lookup`` finds no earlier occurrence of the current suffix."""
 
-    def __init__(self, head: ObservingProposer, lookup: NgramProposer | None = None):
+    def __init__(self, head: Proposer, lookup: NgramProposer | None = None):
         self.head = head
         self.lookup = lookup if lookup is not None else NgramProposer()
         self.name = f"{head.name}+{self.lookup.name}"
@@ -39,12 +59,15 @@ class LookupFirstProposer:
         self.expected_acceptance = max(head.expected_acceptance, self.lookup.expected_acceptance)
         self.tree_tokens = head.tree_tokens
 
-    def start(self, prompt: torch.Tensor, max_length: int) -> Any:
-        return self.head.start(prompt, max_length)
+    def start(self, prompt: torch.Tensor, max_length: int) -> LookupFirstState:
+        return LookupFirstState(self.head.start(prompt, max_length))
 
-    def propose(self, state: Any, step: ProposeInput) -> Tree:
+    def propose(self, state: LookupFirstState, step: ProposeInput) -> Tree:
         found = self.lookup.propose(None, step)
         if found.size > 1:
-            self.head.observe(state, step)
+            if step.new_hidden is not None:
+                state.hidden.append(step.new_hidden)
+            if step.new_layer_hidden:
+                state.layer_hidden.append(step.new_layer_hidden)
             return found
-        return self.head.propose(state, step)
+        return self.head.propose(state.head, _with_pending(state, step))

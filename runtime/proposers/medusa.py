@@ -57,9 +57,6 @@ class MedusaProposer:
     def start(self, prompt: torch.Tensor, max_length: int) -> None:
         return None
 
-    def observe(self, state: None, step: ProposeInput) -> None:
-        """Nothing to keep: Medusa drafts from the newest hidden state alone."""
-
     @torch.inference_mode()
     def propose(self, state: None, step: ProposeInput) -> Tree:
         root = int(step.history[-1])
