@@ -16,7 +16,7 @@ import json
 import torch
 from torch import nn
 
-from heads.kernels import bf16_rows_linear, native_bf16_matmul
+from heads.kernels import bf16_rows_linear, native_bf16_matmul, rms_norm_rows
 
 
 def cache_argument(module: nn.Module, cache) -> dict:
@@ -172,4 +172,30 @@ def use_decode_linears(module: nn.Module) -> nn.Module:
     for child in module.modules():
         if type(child) is nn.Linear:
             child.__class__ = DecodeLinear
+    return module
+
+
+# RMSNorm classes of transformers that compute weight * (x * rsqrt(mean(x^2) + eps)).to(dtype) with the epsilon in
+# ``variance_epsilon``: the formula rms_norm_rows implements. Others (Gemma's 1 + weight, ...) keep their own forward.
+LLAMA_FORMULA_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
+
+
+def _decode_norm_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    if (hidden.dtype == self.weight.dtype == torch.bfloat16 and hidden.device.type == "cpu"
+            and not torch.is_grad_enabled() and hidden.is_contiguous() and (kernel := rms_norm_rows()) is not None):
+        return kernel(hidden, self.weight, self.variance_epsilon)
+    return super(type(self), self).forward(hidden)
+
+
+@functools.cache
+def _decode_norm_class(norm_class: type) -> type:
+    return type(f"Decode{norm_class.__name__}", (norm_class,), {"forward": _decode_norm_forward})
+
+
+def use_decode_norms(module: nn.Module) -> nn.Module:
+    """Switch every Llama-formula RMSNorm inside ``module`` to one that runs bf16 rows on CPU as one compiled call
+    (``heads.kernels.rms_norm_rows``; parameters untouched, other dtypes and devices unchanged); returns it."""
+    for child in module.modules():
+        if type(child).__name__ in LLAMA_FORMULA_NORMS:
+            child.__class__ = _decode_norm_class(type(child))
     return module

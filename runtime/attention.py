@@ -4,7 +4,10 @@ Shapes: query [B, H, T, D]; key/value [B, Hkv, S, D] (H a multiple of Hkv: group
 mask [B, 1, T, S] bool, True = may attend. Every backend returns [B, H, T, D] and must agree with SDPA.
 
 Backends:
-- ``sdpa``: ``F.scaled_dot_product_attention`` with a boolean mask and ``enable_gqa`` (no K/V copy per group).
+- ``sdpa``: ``F.scaled_dot_product_attention`` with a boolean mask and ``enable_gqa`` (no K/V copy per group). In
+  bf16 on CPU, passes of up to 16 query rows (decode steps, verified trees) go through the compiled decode kernel
+  (``heads.kernels.decode_attention``): PyTorch's CPU SDPA costs 90-220 us a call there, mostly setup, the kernel
+  30-50 us for 1-4 rows over 300 cached positions; fp32 softmax and sums over the same bf16 values.
 - ``flex``: FlexAttention with a mask_mod reading the same boolean mask (forward-only on CPU).
 - ``cascade``: the flash-attn 2 path for CUDA. flash-attn has no arbitrary-mask kernel, so the prefix (which every
   tree node sees whole) is attended with a maskless kernel that returns its log-sum-exp, the tree's own keys with the
@@ -20,14 +23,25 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from heads.kernels import decode_attention
+
 BACKENDS = ("sdpa", "flex", "cascade")
 ATTN_IMPLEMENTATION = "headstart_tree"  # the name registered with transformers' AttentionInterface
+DECODE_KERNEL_MAX_ROWS = 16
+DECODE_KERNEL_HEAD_SIZES = (64, 128)
 
 
 def sdpa_attention(query, key, value, mask, scale: float) -> torch.Tensor:
     """SDPA over a boolean mask (None = causal when T == S). Returns [B, H, T, D]."""
+    rows = query.shape[2]
+    causal = mask is None and rows > 1
+    if (not causal and rows <= DECODE_KERNEL_MAX_ROWS and query.device.type == "cpu"
+            and query.dtype == key.dtype == value.dtype == torch.bfloat16
+            and query.shape[-1] in DECODE_KERNEL_HEAD_SIZES and not torch.is_grad_enabled()
+            and (kernel := decode_attention()) is not None):
+        # [B, T, H, D] underneath: the caller's transpose back to that layout is then free
+        return kernel(query, key, value, mask, scale).transpose(1, 2)
     gqa = query.shape[1] != key.shape[1]
-    causal = mask is None and query.shape[2] > 1
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scale,
                                           enable_gqa=gqa)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from heads.common import cache_argument, softcap_logits, use_decode_linears, vocab_logits
+from heads.common import cache_argument, softcap_logits, use_decode_linears, use_decode_norms, vocab_logits
 from runtime import attention
 from runtime.assets import SMOLLM2_GGUF, cache_dir, packaged_file
 from runtime.kv_cache import KVCache
@@ -47,13 +47,15 @@ class TargetOutput:
 class Target:
     """A frozen causal LM plus its tokenizer. ``identity`` names the weights (checked by heads).
 
-    With ``decode_linears`` the model's plain nn.Linear layers compute decode-sized products in the faster operand
-    order (``heads.common.decode_linear``; same results); turn it off to keep a stock model for comparisons.
+    With ``decode_kernels`` the model's plain nn.Linear layers compute decode-sized products in the faster operand
+    order (``heads.common.decode_linear``; same results) and its Llama-formula RMSNorms run bf16 rows as one compiled
+    call (``heads.common.use_decode_norms``); turn it off to keep a stock model for comparisons.
     """
 
-    def __init__(self, model, tokenizer, identity: str, decode_linears: bool = True):
-        if decode_linears:
+    def __init__(self, model, tokenizer, identity: str, decode_kernels: bool = True):
+        if decode_kernels:
             use_decode_linears(model)
+            use_decode_norms(model)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.identity = identity
@@ -184,10 +186,10 @@ def same_model_identities(identity: str) -> set[str]:
 
 def load_target(name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "float32",
                 device: str | torch.device = "cpu", trust_remote_code: bool = False, quiet: bool = False,
-                attn_implementation: str | None = None, decode_linears: bool = True) -> Target:
+                attn_implementation: str | None = None, decode_kernels: bool = True) -> Target:
     """Load a target from an HF id, a local dir, a .gguf file or an alias (``smollm2-135m``).
 
-    ``decode_linears=False`` leaves the model's linear layers stock (the benchmark's HF baselines)."""
+    ``decode_kernels=False`` leaves the model's linear and norm layers stock (the benchmark's HF baselines)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)
@@ -202,7 +204,7 @@ def load_target(name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, attn_implementation=attn,
                                                      trust_remote_code=trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    return Target(model.to(device), tokenizer, identity, decode_linears)
+    return Target(model.to(device), tokenizer, identity, decode_kernels)
 
 
 def target_from_model(model, tokenizer=None, identity: str = "in-memory") -> Target:

@@ -1,14 +1,17 @@
 """Where a verification pass spends its time on this machine, and whether torch.compile makes it cheaper.
 
     python scripts/bench_verify_pass.py                       # eager cost of T = 1, 8, 16 plus an op profile
+    python scripts/bench_verify_pass.py --dtype bfloat16 --sizes 1 4 8
     python scripts/bench_verify_pass.py --compile --freezing  # adds inductor-compiled passes (minutes per shape)
 
-The eager rows are the runtime's own pass (Target.forward with its KV cache), with the decode linears
-(heads.common.decode_linear) and with the stock nn.Linear layers; ratios are to the runtime's T = 1. The compiled rows run the same stock
-decoder through torch.compile with static shapes: a cache that writes into a fixed buffer with ``index_copy_`` and a
-mask over the whole buffer, so no Python int changes between steps (the runtime's cache keeps one, which makes
-dynamo recompile or fall back). The profile splits the T = 1 pass into matrix products and the rest and converts the
-matrix-product time into the bandwidth at which the weights were read. Run it with nothing else on the machine.
+The eager rows are the runtime's own pass (Target.forward with its KV cache), with the decode linears and norms
+(heads.common.decode_linear, heads.common.use_decode_norms) and with the stock layers; both attend through the
+runtime's backend (in bf16 on CPU the decode attention kernel); ratios are to the runtime's T = 1. The compiled rows run
+the same stock decoder through torch.compile with static shapes: a cache that writes into a fixed buffer with
+``index_copy_`` and a mask over the whole buffer, so no Python int changes between steps (the runtime's cache keeps
+one, which makes dynamo recompile or fall back). The profile splits the T = 1 pass into matrix products and the rest
+and converts the matrix-product time into the bandwidth at which the weights were read. Run it with nothing else on
+the machine.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ def compiled_times(target, step, buffer: int, context: int, size: int, repeats: 
     """(seconds of the first call, which compiles; then the per-call times)."""
     config = target.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv = torch.zeros(config.num_hidden_layers, 2, 1, config.num_key_value_heads, buffer, head_dim)
+    kv = torch.zeros(config.num_hidden_layers, 2, 1, config.num_key_value_heads, buffer, head_dim, dtype=target.dtype)
     tree = Tree.chain(0, [1] * (size - 1))
     mask = torch.zeros(1, 1, size, buffer, dtype=torch.bool)
     mask[..., :context] = True  # the cached context is random keys: only the cost matters here
@@ -114,16 +117,17 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 8, 16])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--dtype", default="float32", help="the target's dtype (float32, bfloat16)")
     parser.add_argument("--compile", action="store_true", help="also time inductor-compiled passes")
     parser.add_argument("--freezing", action="store_true", help="compile with inductor freezing (weights as constants)")
     parser.add_argument("--buffer", type=int, default=512, help="static KV buffer length for the compiled passes")
     args = parser.parse_args(argv)
 
-    target = load_target(args.target, quiet=True)
-    stock = load_target(args.target, quiet=True, decode_linears=False)
-    print(f"threads {torch.get_num_threads()}, context {args.context}, fp32\n")
+    target = load_target(args.target, dtype=args.dtype, quiet=True)
+    stock = load_target(args.target, dtype=args.dtype, quiet=True, decode_kernels=False)
+    print(f"threads {torch.get_num_threads()}, context {args.context}, {args.dtype}\n")
     print("| pass | T | median ms | min ms | vs eager T=1 | compile s |\n|---|---:|---:|---:|---:|---:|")
-    eager = {(label, size): [] for label in ("eager, stock linears", "eager") for size in args.sizes}
+    eager = {(label, size): [] for label in ("eager, stock layers", "eager") for size in args.sizes}
     for _ in range(3):  # interleaved rounds, so that a slow spell of the machine hits both alike
         for (label, size), times in eager.items():
             times += eager_times(stock if "stock" in label else target, args.context, size, args.repeats)

@@ -67,7 +67,7 @@ def hf_runs_of(methods, default_dtype: str) -> dict[str, tuple[str, str]]:
 def load_stock(target: str, dtype: str, device: str):
     """The target as the HF methods run it: the stock transformers model with stock linear layers."""
     return load_target(target, dtype=dtype, device=device, attn_implementation="sdpa", quiet=True,
-                       decode_linears=False).model
+                       decode_kernels=False).model
 
 
 @dataclass

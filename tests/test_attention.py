@@ -62,6 +62,31 @@ def test_backend_gives_the_same_logits_through_the_model(backend, arch):
     torch.testing.assert_close(results[backend], results["sdpa"], atol=1e-5, rtol=1e-5)
 
 
+def test_bf16_tree_pass_through_the_decode_kernel_matches_the_fp32_pass(monkeypatch):
+    """In bf16 on CPU the sdpa backend sends tree passes through the compiled decode kernel (head size 64)."""
+    from runtime import attention
+
+    kernel = attention.decode_attention()
+    if kernel is None:
+        pytest.skip("the decode attention kernel needs AVX2")
+    calls = []
+    monkeypatch.setattr(attention, "decode_attention", lambda: lambda *args: calls.append(1) or kernel(*args))
+    model = tiny_model("llama", vocab_size=64, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    prompt = torch.arange(3, 30)
+    tree = Tree(torch.tensor([7, 8, 9, 10, 11]), torch.tensor([-1, 0, 0, 1, 3]))
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        target = target_from_model(model.to(dtype), identity="tiny")
+        cache = target.new_cache(1, 64)
+        target.forward(prompt[None], torch.arange(len(prompt))[None], cache, None)
+        cache.commit(len(prompt))
+        logits[dtype] = target.forward(tree.tokens[None], tree.position_ids(len(prompt))[None], cache,
+                                       verification_mask(tree.ancestor_mask(), len(prompt))).logits[0].float()
+    assert len(calls) == model.config.num_hidden_layers  # the bf16 tree pass; the prefill stays on SDPA
+    torch.testing.assert_close(logits[torch.bfloat16], logits[torch.float32], atol=0.1, rtol=0.05)
+    assert torch.equal(logits[torch.bfloat16].argmax(-1), logits[torch.float32].argmax(-1))
+
+
 def test_tree_pass_reproduces_per_path_logits():
     """The logits at each tree node equal a plain causal pass over that node's root path."""
     model = tiny_model("llama", vocab_size=64)

@@ -178,6 +178,23 @@ def test_decode_linears_switch_plain_linears_only_and_keep_outputs():
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch, switched", [("llama", True), ("qwen2", True), ("gemma", False)])
+def test_decode_norms_switch_llama_formula_norms_only_and_keep_outputs(arch, switched):
+    from heads.common import use_decode_norms
+    from tests.conftest import tiny_model
+
+    model = tiny_model(arch).bfloat16()
+    norm_class = type(model.get_decoder().norm)
+    ids = torch.randint(0, model.config.vocab_size, (1, 5))
+    with torch.inference_mode():
+        before = model(ids).logits.float()
+        use_decode_norms(model)
+        after = model(ids).logits.float()
+    now = type(model.get_decoder().norm)
+    assert (now is not norm_class and issubclass(now, norm_class)) == switched
+    torch.testing.assert_close(after, before, rtol=0.02, atol=0.02)  # bf16: the sum of squares in another order
+
+
 def test_eagle3_output_starts_as_the_targets_lm_head():
     model = tiny_target()
     head = make_head("eagle3", model)

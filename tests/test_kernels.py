@@ -2,9 +2,11 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from heads.common import WEIGHT_MAJOR_MAX_ROWS, decode_linear
-from heads.kernels import KERNEL_CPU_CAPABILITIES, bf16_rows_linear, bf16_rows_matmul
+from heads.kernels import (KERNEL_CPU_CAPABILITIES, bf16_rows_linear, bf16_rows_matmul, decode_attention,
+                           rms_norm_rows)
 
 
 def kernel_or_fail():
@@ -77,3 +79,87 @@ def test_decode_linear_in_bf16_matches_f_linear_to_one_rounding_step(rows):
     assert ((ours.float() - exact).abs() <= step).all()  # each kernel output is a correct rounding step away
     assert ((ours.float() - stock.float()).abs() <= 2 * step).all()
     assert (ours == stock).float().mean() > 0.9  # mostly bit-identical: only the summation order differs
+
+
+def attention_kernel_or_fail():
+    kernel = decode_attention()
+    if torch.backends.cpu.get_cpu_capability() in KERNEL_CPU_CAPABILITIES:
+        assert kernel is not None, "the decode attention kernel did not build on an AVX2 CPU"
+    else:
+        pytest.skip("the decode attention kernel needs AVX2")
+    return kernel
+
+
+def cache_like_case(rows, context, dim, batch=1, heads=9, kv_heads=3, seed=0):
+    """bf16 query [B, H, T, D] as transformers makes it (a transposed view), keys/values as views of a longer cache
+    buffer, and a tree mask: the whole context, then a random ancestor pattern over the new rows."""
+    generator = torch.Generator().manual_seed(seed)
+    slots = context + rows
+    buffer = torch.randn(2, batch, kv_heads, slots + 13, dim, generator=generator).bfloat16()
+    key, value = buffer[0, :, :, :slots], buffer[1, :, :, :slots]
+    query = torch.randn(batch, rows, heads, dim, generator=generator).bfloat16().transpose(1, 2)
+    mask = torch.ones(batch, 1, rows, slots, dtype=torch.bool)
+    mask[..., context:] = (torch.rand(batch, 1, rows, rows, generator=generator) < 0.5).tril()
+    mask[..., context:] |= torch.eye(rows, dtype=torch.bool)
+    return query, key, value, mask
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 16])
+@pytest.mark.parametrize("context, dim", [(0, 64), (37, 64), (300, 64), (21, 128)])
+def test_decode_attention_equals_fp32_sdpa_over_the_same_values(rows, context, dim):
+    kernel = attention_kernel_or_fail()
+    query, key, value, mask = cache_like_case(rows, context, dim, seed=rows + context)
+    got = kernel(query, key, value, mask, dim ** -0.5)
+    reference = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
+                                               scale=dim ** -0.5, enable_gqa=True).transpose(1, 2)
+    assert got.shape == reference.shape and got.dtype == torch.bfloat16 and got.is_contiguous()
+    # fp32 throughout, one rounding at the end: within one bf16 step of the fp32 result
+    torch.testing.assert_close(got.float(), reference, rtol=2 ** -8, atol=1e-5)
+
+
+def test_decode_attention_takes_batches_no_mask_and_gives_zeros_where_nothing_is_visible():
+    kernel = attention_kernel_or_fail()
+    query, key, value, mask = cache_like_case(4, 10, 64, batch=2, heads=4, kv_heads=2)
+    mask[1, 0, 2] = False  # row 2 of batch row 1 may attend to nothing
+    got = kernel(query, key, value, mask, 0.125).float()
+    reference = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
+                                               scale=0.125, enable_gqa=True).transpose(1, 2)
+    assert torch.equal(got[1, 2], torch.zeros_like(got[1, 2]))
+    reference[1, 2] = 0.0  # SDPA gives NaN there
+    torch.testing.assert_close(got, reference, rtol=2 ** -8, atol=1e-5)
+    one = kernel(query[:, :, :1], key, value, None, 0.125).float()
+    torch.testing.assert_close(one, F.scaled_dot_product_attention(
+        query[:, :, :1].float(), key.float(), value.float(), scale=0.125, enable_gqa=True).transpose(1, 2),
+        rtol=2 ** -8, atol=1e-5)
+
+
+def test_decode_attention_rejects_what_it_cannot_take():
+    kernel = attention_kernel_or_fail()
+    query, key, value, mask = cache_like_case(4, 10, 64)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernel(query.float(), key, value, mask, 0.125)
+    with pytest.raises(RuntimeError, match="1 to 16 query rows"):
+        kernel(torch.zeros(1, 9, 17, 64).bfloat16(), key, value, None, 0.125)
+    with pytest.raises(RuntimeError, match="bool mask"):
+        kernel(query, key, value, mask[..., :-1], 0.125)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (1, 4, 576), (2, 3, 100), (5, 7)])  # H no multiple of 8 too
+def test_rms_norm_rows_equals_the_llama_norm_within_one_rounding(shape):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    kernel = rms_norm_rows()
+    if kernel is None:
+        pytest.skip("the RMSNorm kernel needs AVX2")
+    generator = torch.Generator().manual_seed(sum(shape))
+    norm = LlamaRMSNorm(shape[-1], eps=1e-5).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=generator))
+    x = (torch.randn(*shape, generator=generator) * 3).bfloat16()
+    with torch.inference_mode():
+        expected = norm(x)
+        got = kernel(x, norm.weight, norm.variance_epsilon)
+    assert got.shape == expected.shape and got.dtype == torch.bfloat16
+    # the same operations but the order of the sum of squares: nearly always the same bits, else one bf16 step
+    assert (got == expected).float().mean() > 0.98
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=0)

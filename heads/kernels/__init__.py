@@ -4,6 +4,9 @@
 ``bf16_rows_linear``: the same product as a whole bf16 linear layer (bf16 rows in, bias, bf16 rows out). Built with
 torch's C++ extension loader (a C++ compiler and ninja; the build is cached by torch, about a minute the first time).
 Where it cannot be built, callers get None and keep PyTorch's own product.
+``decode_attention``: attention of a few bf16 query rows over a bf16 KV cache (decode_attention.cpp), tested against
+fp32 SDPA over the same values.
+``rms_norm_rows``: the Llama-family RMSNorm over bf16 rows in one call (rms_norm.cpp), tested against the module.
 ``native_bf16_matmul``: whether the CPU has bf16 matrix instructions, which make PyTorch's own bf16 product fast.
 """
 
@@ -21,21 +24,26 @@ KERNEL_CPU_CAPABILITIES = ("AVX2", "AVX512")  # torch.backends.cpu.get_cpu_capab
 
 
 @functools.cache
-def _bf16_rows_module():
-    """The compiled bf16_rows.cpp, or None where it cannot be built or run."""
+def _compiled(source: str, fallback: str):
+    """The compiled ``source`` (a file beside this one), or None where it cannot be built or run; ``fallback`` says
+    in the warning what runs instead."""
     if torch.backends.cpu.get_cpu_capability() not in KERNEL_CPU_CAPABILITIES:
-        return None  # the kernel is written with AVX2/FMA intrinsics
+        return None  # the kernels are written with AVX2/FMA intrinsics
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="headstart_bf16_rows", sources=[str(SOURCE_DIR / "bf16_rows.cpp")],
+        return load(name=f"headstart_{Path(source).stem}", sources=[str(SOURCE_DIR / source)],
                     # without OpenMP, at::parallel_for runs on one thread
                     extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler or ninja: fall back rather than fail decoding
-        warnings.warn(f"the bf16 row kernel could not be built ({type(error).__name__}: {error}); bf16 passes of "
-                      f"several rows use PyTorch's product, which costs about one one-row pass per row on CPUs "
-                      f"without bf16 matrix instructions", stacklevel=3)
+        warnings.warn(f"the kernel {source} could not be built ({type(error).__name__}: {error}); {fallback}",
+                      stacklevel=3)
         return None
+
+
+def _bf16_rows_module():
+    return _compiled("bf16_rows.cpp", "bf16 passes of several rows use PyTorch's product, which costs about one "
+                                      "one-row pass per row on CPUs without bf16 matrix instructions")
 
 
 @functools.cache
@@ -57,6 +65,29 @@ def bf16_rows_linear() -> Callable[..., torch.Tensor] | None:
     """
     module = _bf16_rows_module()
     return None if module is None else module.bf16_rows_linear
+
+
+@functools.cache
+def decode_attention() -> Callable[..., torch.Tensor] | None:
+    """(query [B, H, T, D] bf16, key/value [B, Hkv, S, D] bf16, mask [B or 1, 1, T, S] bool or None, scale) ->
+    out [B, T, H, D] bf16, for 1-16 query rows and head size 64 or 128 (last dimensions contiguous), or None.
+
+    Scores, softmax and the weighted sum are fp32 over the bf16 values, with one rounding at the end; the reference it
+    is tested against is fp32 SDPA over the same values. A row that may attend to nothing gets zeros.
+    """
+    module = _compiled("decode_attention.cpp", "bf16 decode steps use PyTorch's SDPA")
+    return None if module is None else module.decode_attention
+
+
+@functools.cache
+def rms_norm_rows() -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
+    """(x [..., H] bf16 contiguous, weight [H] bf16, eps) -> ``weight * bf16(x * rsqrt(mean(x^2) + eps))`` bf16, or None.
+
+    The reference it is tested against is transformers' LlamaRMSNorm: the same operations, the sum of squares in
+    another order.
+    """
+    module = _compiled("rms_norm.cpp", "bf16 RMSNorm runs as PyTorch's eight calls")
+    return None if module is None else module.rms_norm_rows
 
 
 @functools.cache
