@@ -9,19 +9,20 @@ from heads.kernels import (KERNEL_CPU_CAPABILITIES, bf16_rows_linear, bf16_rows_
                            rms_norm_rows)
 
 
-def kernel_or_fail():
-    kernel = bf16_rows_matmul()
+def built_or_fail(accessor=bf16_rows_matmul):
+    """The kernel ``accessor`` returns; on an AVX2 CPU it must have built, elsewhere the test is skipped."""
+    kernel = accessor()
     if torch.backends.cpu.get_cpu_capability() in KERNEL_CPU_CAPABILITIES:
-        assert kernel is not None, "the bf16 row kernel did not build on an AVX2 CPU"
+        assert kernel is not None, f"{accessor.__name__}: the kernel did not build on an AVX2 CPU"
     else:
-        pytest.skip("the bf16 row kernel needs AVX2")
+        pytest.skip(f"{accessor.__name__}: the kernel needs AVX2")
     return kernel
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 9, 16])
 @pytest.mark.parametrize("n, k", [(37, 64), (576, 576), (5, 100)])  # odd row counts, a K that is no multiple of 8
 def test_bf16_rows_matmul_equals_fp32_reference(rows, n, k):
-    kernel = kernel_or_fail()
+    kernel = built_or_fail()
     generator = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=generator)
     weight = torch.randn(n, k, generator=generator).bfloat16()
@@ -32,7 +33,7 @@ def test_bf16_rows_matmul_equals_fp32_reference(rows, n, k):
 
 
 def test_bf16_rows_matmul_rejects_wrong_inputs():
-    kernel = kernel_or_fail()
+    kernel = built_or_fail()
     with pytest.raises(RuntimeError, match="bfloat16 weight"):
         kernel(torch.randn(2, 8), torch.randn(4, 8))
     with pytest.raises(RuntimeError, match="x \\[M, K\\]"):
@@ -42,7 +43,7 @@ def test_bf16_rows_matmul_rejects_wrong_inputs():
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_rows_linear_equals_fp32_kernel_then_one_rounding(rows, with_bias):
-    kernel = kernel_or_fail()
+    kernel = built_or_fail()
     generator = torch.Generator().manual_seed(rows * 10 + with_bias)
     x = torch.randn(rows, 100, generator=generator).bfloat16()  # K = 100: no multiple of 8
     weight = torch.randn(300, 100, generator=generator).bfloat16()
@@ -55,7 +56,7 @@ def test_bf16_rows_linear_equals_fp32_kernel_then_one_rounding(rows, with_bias):
 
 
 def test_bf16_rows_linear_rejects_wrong_inputs():
-    kernel_or_fail()
+    built_or_fail()
     with pytest.raises(RuntimeError, match="bfloat16 rows"):
         bf16_rows_linear()(torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None)
     with pytest.raises(RuntimeError, match="bias"):
@@ -65,7 +66,7 @@ def test_bf16_rows_linear_rejects_wrong_inputs():
 @pytest.mark.parametrize("rows", [2, 4, 7, 40])  # 40 rows: a prefill, the upcast product on CPUs without bf16 units
 def test_decode_linear_in_bf16_matches_f_linear_to_one_rounding_step(rows):
     if rows <= WEIGHT_MAJOR_MAX_ROWS:
-        kernel_or_fail()
+        built_or_fail()
     generator = torch.Generator().manual_seed(rows)
     hidden = torch.randn(1, rows, 96, generator=generator).bfloat16()
     weight = torch.randn(200, 96, generator=generator).bfloat16()
@@ -79,15 +80,6 @@ def test_decode_linear_in_bf16_matches_f_linear_to_one_rounding_step(rows):
     assert ((ours.float() - exact).abs() <= step).all()  # each kernel output is a correct rounding step away
     assert ((ours.float() - stock.float()).abs() <= 2 * step).all()
     assert (ours == stock).float().mean() > 0.9  # mostly bit-identical: only the summation order differs
-
-
-def attention_kernel_or_fail():
-    kernel = decode_attention()
-    if torch.backends.cpu.get_cpu_capability() in KERNEL_CPU_CAPABILITIES:
-        assert kernel is not None, "the decode attention kernel did not build on an AVX2 CPU"
-    else:
-        pytest.skip("the decode attention kernel needs AVX2")
-    return kernel
 
 
 def cache_like_case(rows, context, dim, batch=1, heads=9, kv_heads=3, seed=0):
@@ -107,7 +99,7 @@ def cache_like_case(rows, context, dim, batch=1, heads=9, kv_heads=3, seed=0):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 16])
 @pytest.mark.parametrize("context, dim", [(0, 64), (37, 64), (300, 64), (21, 128)])
 def test_decode_attention_equals_fp32_sdpa_over_the_same_values(rows, context, dim):
-    kernel = attention_kernel_or_fail()
+    kernel = built_or_fail(decode_attention)
     query, key, value, mask = cache_like_case(rows, context, dim, seed=rows + context)
     got = kernel(query, key, value, mask, dim ** -0.5)
     reference = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
@@ -118,7 +110,7 @@ def test_decode_attention_equals_fp32_sdpa_over_the_same_values(rows, context, d
 
 
 def test_decode_attention_takes_batches_no_mask_and_gives_zeros_where_nothing_is_visible():
-    kernel = attention_kernel_or_fail()
+    kernel = built_or_fail(decode_attention)
     query, key, value, mask = cache_like_case(4, 10, 64, batch=2, heads=4, kv_heads=2)
     mask[1, 0, 2] = False  # row 2 of batch row 1 may attend to nothing
     got = kernel(query, key, value, mask, 0.125).float()
@@ -134,7 +126,7 @@ def test_decode_attention_takes_batches_no_mask_and_gives_zeros_where_nothing_is
 
 
 def test_decode_attention_rejects_what_it_cannot_take():
-    kernel = attention_kernel_or_fail()
+    kernel = built_or_fail(decode_attention)
     query, key, value, mask = cache_like_case(4, 10, 64)
     with pytest.raises(RuntimeError, match="bfloat16"):
         kernel(query.float(), key, value, mask, 0.125)
@@ -148,9 +140,7 @@ def test_decode_attention_rejects_what_it_cannot_take():
 def test_rms_norm_rows_equals_the_llama_norm_within_one_rounding(shape):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    kernel = rms_norm_rows()
-    if kernel is None:
-        pytest.skip("the RMSNorm kernel needs AVX2")
+    kernel = built_or_fail(rms_norm_rows)
     generator = torch.Generator().manual_seed(sum(shape))
     norm = LlamaRMSNorm(shape[-1], eps=1e-5).bfloat16()
     with torch.no_grad():
