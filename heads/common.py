@@ -199,3 +199,8 @@ def use_decode_norms(module: nn.Module) -> nn.Module:
         if type(child).__name__ in LLAMA_FORMULA_NORMS:
             child.__class__ = _decode_norm_class(type(child))
     return module
+
+
+def use_decode_kernels(module: nn.Module) -> nn.Module:
+    """``use_decode_linears`` and ``use_decode_norms``: the decode-sized layers of a target or a head; returns it."""
+    return use_decode_norms(use_decode_linears(module))

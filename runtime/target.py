@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from heads.common import cache_argument, softcap_logits, use_decode_linears, use_decode_norms, vocab_logits
+from heads.common import cache_argument, softcap_logits, use_decode_kernels, vocab_logits
 from runtime import attention
 from runtime.assets import SMOLLM2_GGUF, cache_dir, packaged_file
 from runtime.kv_cache import KVCache
@@ -54,8 +54,7 @@ class Target:
 
     def __init__(self, model, tokenizer, identity: str, decode_kernels: bool = True):
         if decode_kernels:
-            use_decode_linears(model)
-            use_decode_norms(model)
+            use_decode_kernels(model)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.identity = identity

@@ -19,7 +19,7 @@ def load_head_proposer(kind: str, head_dir: str, target) -> Proposer:
     for both kinds, and the acceptance measured during training
     (``acceptance``, acc@1..K), which calibrates Medusa's static tree and otherwise sizes the verified tree.
     """
-    from heads.common import use_decode_linears, use_decode_norms
+    from heads.common import use_decode_kernels
     from heads.io import load_head, read_head_config
     from runtime.target import parse_dtype
 
@@ -27,8 +27,7 @@ def load_head_proposer(kind: str, head_dir: str, target) -> Proposer:
                      device=target.device, dtype=target.dtype)
     if head.head_type != kind:
         raise ValueError(f"{head_dir} holds a {head.head_type} head, not {kind}; use --proposer {head.head_type}")
-    use_decode_linears(head)  # drafting multiplies a few rows at a time, like the target's decode steps
-    use_decode_norms(head)
+    use_decode_kernels(head)  # drafting runs a few rows at a time, like the target's decode steps
     tree = read_head_config(head_dir).get("tree", {})
     accuracy = tree.get("acceptance")
     # A tree size is measured in one dtype; another dtype has another cost curve (bf16 verification of 4 tokens costs
