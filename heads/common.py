@@ -14,9 +14,8 @@ import inspect
 import json
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-
-from heads.kernels import bf16_rows_linear, native_bf16_matmul, rms_norm_rows
 
 
 def cache_argument(module: nn.Module, cache) -> dict:
@@ -109,98 +108,17 @@ def softcap_logits(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return logits
 
 
-# Row counts up to which ``decode_linear`` computes weight @ hidden^T. Measured on a 2-core x86 CPU (2 threads, torch
-# 2.13), where BLAS streams a weight matrix from memory much faster in that operand order for a few rows:
-# - a 49152 x 576 LM head: 8.4 vs 9.8 ms at 1 row, 7.7 vs 21.5 ms at 4, 15.2 vs 22.8 ms at 8, 18.2 vs 25.7 ms at 16
-#   against the hidden @ weight^T product F.linear uses (an 8192-row head gains alike);
-# - SmolLM2-135M's 210 decoder linears in sequence: 31.8 vs 60.1 ms at 2 rows, 31.0 vs 59.3 at 4, 48.2 vs 58.6 at 8,
-#   equal at 1 row.
-# On a new machine, ``python scripts/bench_vocab_projection.py`` re-measures the LM-head product and
-# ``python scripts/bench_verify_pass.py`` whole target passes with stock and decode linears.
-WEIGHT_MAJOR_MAX_ROWS = 16
+class FrozenProjection(nn.Module):
+    """hidden [..., H] -> logits [..., V] over a weight [V, H] a head borrows from its target (the target's LM head):
+    a non-persistent buffer, never saved, attached when the head is built or loaded."""
 
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(0), persistent=False)
 
-def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """hidden [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N]; equal to ``F.linear(hidden, weight, bias)``
-    (in bfloat16, up to the order of the fp32 accumulation).
-
-    Decoding multiplies one to a few rows by a weight matrix read from memory: a memory-bound product whose speed
-    on CPU depends on the BLAS call's operand order. Few rows go through ``weight @ hidden^T``, the rest (and
-    anything that needs gradients, or runs off CPU) through F.linear. In bfloat16, 2-16 rows go through the compiled
-    row kernel (``heads.kernels``): PyTorch's bf16 product on a CPU without bf16 matrix instructions costs about one
-    one-row product per row, the kernel reads the weights once. Many bf16 rows (a prefill) on such a CPU go through
-    an fp32 product of the upcast operands.
-    """
-    if hidden.device.type != "cpu" or torch.is_grad_enabled():
-        return torch.nn.functional.linear(hidden, weight, bias)
-    rows = hidden.numel() // hidden.shape[-1]
-    if rows > WEIGHT_MAJOR_MAX_ROWS:
-        if weight.dtype == hidden.dtype == torch.bfloat16 and not native_bf16_matmul():
-            # The same numbers as the bf16 product (bf16 products are exact in fp32, fp32 sums, one rounding at the
-            # end), in another summation order; 5-6x faster here: 2.8 vs 17.4 ms for 150 rows of a 1536 x 576 layer.
-            return torch.nn.functional.linear(hidden.float(), weight.float(),
-                                              None if bias is None else bias.float()).to(torch.bfloat16)
-        return torch.nn.functional.linear(hidden, weight, bias)
-    flat = hidden.reshape(rows, hidden.shape[-1])
-    if rows > 1 and weight.dtype == hidden.dtype == torch.bfloat16 and (kernel := bf16_rows_linear()) is not None:
-        # One row stays on PyTorch's bf16 product, which is about as fast and gives plain decoding HF's exact numbers.
-        out = kernel(flat.contiguous(), weight.contiguous(), bias)
-        return out.reshape(*hidden.shape[:-1], weight.shape[0])
-    # The product comes out as [N, rows]; handing a transposed view on would make every later op (rotary, SDPA,
-    # which then falls back to its slow math kernel) work on a strided tensor, so copy the few rows once.
-    out = torch.mm(weight, flat.t()).t().contiguous().reshape(*hidden.shape[:-1], weight.shape[0])
-    return out if bias is None else out + bias
-
-
-def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """hidden [..., H] @ weight [V, H]^T -> logits [..., V] in hidden's dtype (see ``decode_linear``)."""
-    return decode_linear(hidden, weight.to(hidden.dtype))
-
-
-class DecodeLinear(nn.Linear):
-    """An nn.Linear whose forward is ``decode_linear``: same parameters, same results, faster decode steps on CPU."""
+    @property
+    def attached(self) -> bool:
+        return self.weight.numel() > 0
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return decode_linear(hidden, self.weight, self.bias)
-
-
-def use_decode_linears(module: nn.Module) -> nn.Module:
-    """Switch every plain nn.Linear inside ``module`` to DecodeLinear in place (parameters untouched); returns it.
-
-    Subclasses of nn.Linear (quantized or adapter layers) keep their own forward.
-    """
-    for child in module.modules():
-        if type(child) is nn.Linear:
-            child.__class__ = DecodeLinear
-    return module
-
-
-# RMSNorm classes of transformers that compute weight * (x * rsqrt(mean(x^2) + eps)).to(dtype) with the epsilon in
-# ``variance_epsilon``: the formula rms_norm_rows implements. Others (Gemma's 1 + weight, ...) keep their own forward.
-LLAMA_FORMULA_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
-
-
-def _decode_norm_forward(self, hidden: torch.Tensor) -> torch.Tensor:
-    if (hidden.dtype == self.weight.dtype == torch.bfloat16 and hidden.device.type == "cpu"
-            and not torch.is_grad_enabled() and hidden.is_contiguous() and (kernel := rms_norm_rows()) is not None):
-        return kernel(hidden, self.weight, self.variance_epsilon)
-    return super(type(self), self).forward(hidden)
-
-
-@functools.cache
-def _decode_norm_class(norm_class: type) -> type:
-    return type(f"Decode{norm_class.__name__}", (norm_class,), {"forward": _decode_norm_forward})
-
-
-def use_decode_norms(module: nn.Module) -> nn.Module:
-    """Switch every Llama-formula RMSNorm inside ``module`` to one that runs bf16 rows on CPU as one compiled call
-    (``heads.kernels.rms_norm_rows``; parameters untouched, other dtypes and devices unchanged); returns it."""
-    for child in module.modules():
-        if type(child).__name__ in LLAMA_FORMULA_NORMS:
-            child.__class__ = _decode_norm_class(type(child))
-    return module
-
-
-def use_decode_kernels(module: nn.Module) -> nn.Module:
-    """``use_decode_linears`` and ``use_decode_norms``: the decode-sized layers of a target or a head; returns it."""
-    return use_decode_norms(use_decode_linears(module))
+        return F.linear(hidden, self.weight.to(hidden.dtype))

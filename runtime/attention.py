@@ -6,8 +6,8 @@ mask [B, 1, T, S] bool, True = may attend. Every backend returns [B, H, T, D] an
 Backends:
 - ``sdpa``: ``F.scaled_dot_product_attention`` with a boolean mask and ``enable_gqa`` (no K/V copy per group). In
   bf16 on CPU, passes of up to 16 query rows (decode steps, verified trees) go through the compiled decode kernel
-  (``heads.kernels.decode_attention``): PyTorch's CPU SDPA costs 90-220 us a call there, mostly setup, the kernel
-  30-50 us for 1-4 rows over 300 cached positions; fp32 softmax and sums over the same bf16 values.
+  (``runtime.kernels.decode_attention``): PyTorch's CPU SDPA has a large fixed cost per call at that size, mostly
+  setup (``scripts/bench_decode_ops.py`` measures both); fp32 softmax and sums over the same bf16 values.
 - ``flex``: FlexAttention with a mask_mod reading the same boolean mask (forward-only on CPU).
 - ``cascade``: the flash-attn 2 path for CUDA. flash-attn has no arbitrary-mask kernel, so the prefix (which every
   tree node sees whole) is attended with a maskless kernel that returns its log-sum-exp, the tree's own keys with the
@@ -18,12 +18,12 @@ Backends:
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from heads.kernels import decode_attention
+from runtime.kernels import decode_attention
 
 BACKENDS = ("sdpa", "flex", "cascade")
 ATTN_IMPLEMENTATION = "headstart_tree"  # the name registered with transformers' AttentionInterface

@@ -65,22 +65,22 @@ def cost_curve(target: Target) -> dict[int, float]:
     return curve
 
 
-def expected_tokens(tree_tokens: int, acceptance: float) -> float:
-    """Tokens per pass for a chain of tree_tokens - 1 drafts, each accepted with probability ``acceptance``
+def expected_tokens(tree_size: int, acceptance: float) -> float:
+    """Tokens per pass for a chain of tree_size - 1 drafts, each accepted with probability ``acceptance``
     given its parent was: 1 + a + a^2 + ... (the bonus token included)."""
-    return sum(acceptance ** k for k in range(tree_tokens))
+    return sum(acceptance ** k for k in range(tree_size))
 
 
-def best_tree_tokens(curve: dict[int, float], acceptance: float) -> int:
+def best_tree_size(curve: dict[int, float], acceptance: float) -> int:
     """The size maximising expected tokens per unit cost."""
     return max(curve, key=lambda size: expected_tokens(size, acceptance) / curve[size])
 
 
-def choose_tree_tokens(target: Target, proposer) -> int:
+def choose_tree_size(target: Target, proposer) -> int:
     """The proposer's own measured tree size when it has one (a shipped head tuned with scripts/tune_tree.py),
     otherwise the best size for its prior acceptance on this machine's cost curve."""
-    if proposer.tree_tokens:
-        return proposer.tree_tokens
+    if proposer.tree_size:
+        return proposer.tree_size
     if proposer.expected_acceptance <= 0:
         return 1
-    return best_tree_tokens(cost_curve(target), proposer.expected_acceptance)
+    return best_tree_size(cost_curve(target), proposer.expected_acceptance)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -44,7 +44,7 @@ class GenerationResult:
 
 
 class SpeculativeDecoder:
-    """Generate with ``target``, drafting with ``proposer``. ``tree_tokens`` caps the verified tree (root
+    """Generate with ``target``, drafting with ``proposer``. ``tree_size`` caps the verified tree (root
     included); None sizes it from the target's measured cost curve (runtime.cost_model) on this machine.
 
     acceptance: "exact" (greedy at temperature 0, lossless rejection sampling otherwise) or "typical" (Medusa's
@@ -52,7 +52,7 @@ class SpeculativeDecoder:
     on CUDA when flash-attn is installed, SDPA otherwise.
     """
 
-    def __init__(self, target: Target, proposer: Proposer | None = None, tree_tokens: int | None = None,
+    def __init__(self, target: Target, proposer: Proposer | None = None, tree_size: int | None = None,
                  attention: str = "auto", acceptance: str = "exact"):
         if acceptance not in ("exact", "typical"):
             raise ValueError(f"acceptance must be 'exact' or 'typical' (lossy), got {acceptance!r}")
@@ -62,13 +62,13 @@ class SpeculativeDecoder:
             raise ValueError(f"unknown attention backend {attention!r}; choose auto or one of {', '.join(BACKENDS)}")
         self.attention = default_backend(target.device) if attention == "auto" else attention
         self.acceptance = acceptance
-        if tree_tokens is None:
-            from runtime.cost_model import choose_tree_tokens
+        if tree_size is None:
+            from runtime.cost_model import choose_tree_size
 
-            tree_tokens = choose_tree_tokens(target, self.proposer)
-        if tree_tokens < 1:
-            raise ValueError(f"tree_tokens must be >= 1, got {tree_tokens}")
-        self.tree_tokens = tree_tokens
+            tree_size = choose_tree_size(target, self.proposer)
+        if tree_size < 1:
+            raise ValueError(f"tree_size must be >= 1, got {tree_size}")
+        self.tree_size = tree_size
 
     def _check_length(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len == 0:
@@ -99,7 +99,7 @@ class SpeculativeDecoder:
         hidden_layers = proposer.hidden_layers
 
         started = time.perf_counter()
-        max_length = prompt_len + max_new_tokens + self.tree_tokens + 1
+        max_length = prompt_len + max_new_tokens + self.tree_size + 1
         cache = target.new_cache(1, max_length)
         history = torch.empty(max_length, dtype=torch.long, device=device)
         history[:prompt_len] = prompt
@@ -121,7 +121,7 @@ class SpeculativeDecoder:
             length += len(emitted)
             if result.stop_reason != "running":
                 break
-            step = ProposeInput(history[:length], new_hidden, new_layer_hidden, self.tree_tokens, sampling,
+            step = ProposeInput(history[:length], new_hidden, new_layer_hidden, self.tree_size, sampling,
                                 generator)
             drafting = time.perf_counter()
             tree = proposer.propose(state, step)

@@ -83,8 +83,8 @@ class KVCache:
         """Keep written entries ``keep[b, :n_keep[b]]`` (indices relative to the row's length); see compact_kv.
 
         Only the slots from the shortest row's length to the longest row's last kept entry can move, so
-        compaction works on that window: over the whole buffer the gather and scatter cost 5-9 ms a step on CPU at
-        300-700 slots, over the window about 0.4 ms."""
+        compaction works on that window: a gather and scatter over the whole buffer would cost time proportional to
+        the context at every step."""
         start = int(self.lengths.min())
         # sources reach the largest kept index past a row's length, destinations (padding included) the keep width
         window = self.kv[..., start: self._max_len + max(int(keep.max()) + 1, keep.shape[1]), :]

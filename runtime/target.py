@@ -1,8 +1,9 @@
 """The target model: loading (HF id, local dir, .gguf, alias) and one forward with a 4D mask and a cache.
 
-The stock transformers model is used unchanged. Differences between architectures are data read from the
-config (final logit soft-capping, tied embeddings); attention goes through the tree backends registered in
-``runtime.attention``.
+The stock transformers model is used unchanged, and stays unchanged outside the runtime's own passes: inside
+``Target.forward`` it attends through the tree backends of ``runtime.attention`` and runs the decode layers of
+``runtime.decode_layers``; outside, it is the model as loaded or as handed over. Differences between architectures are
+data read from the config (final logit soft-capping, tied embeddings).
 """
 
 from __future__ import annotations
@@ -10,14 +11,16 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from heads.common import cache_argument, softcap_logits, use_decode_kernels, vocab_logits
+from heads.common import cache_argument, softcap_logits
 from runtime import attention
 from runtime.assets import SMOLLM2_GGUF, cache_dir, packaged_file
+from runtime.decode_layers import DecodeLayers
 from runtime.kv_cache import KVCache
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -47,23 +50,38 @@ class TargetOutput:
 class Target:
     """A frozen causal LM plus its tokenizer. ``identity`` names the weights (checked by heads).
 
-    With ``decode_kernels`` the model's plain nn.Linear layers compute decode-sized products in the faster operand
-    order (``heads.common.decode_linear``; same results) and its Llama-formula RMSNorms run bf16 rows as one compiled
-    call (``heads.common.use_decode_norms``); turn it off to keep a stock model for comparisons.
+    The model is never changed: the tree attention (``runtime.attention``) and, with ``decode_kernels``, the decode
+    layers (``runtime.decode_layers``: faster few-row products and compiled bf16 kernels on CPU, same results) are
+    switched on only for the duration of ``forward``. The model must be in eval mode.
     """
 
     def __init__(self, model, tokenizer, identity: str, decode_kernels: bool = True):
-        if decode_kernels:
-            use_decode_kernels(model)
-        self.model = model.eval()
+        if model.training:
+            raise ValueError("the target model is in training mode (dropout would change its outputs); call "
+                             "model.eval() before handing it to Target")
+        self.model = model
         self.tokenizer = tokenizer
         self.identity = identity
         self.config = model.config
-        self.decoder = model.get_decoder()
+        self.backbone = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
-        for parameter in model.parameters():
-            parameter.requires_grad_(False)
+        self._tree_attention = attention.register_with_transformers()
+        self._decode_layers = DecodeLayers(model) if decode_kernels else None
+
+    @contextmanager
+    def _runtime_layers(self):
+        """Tree attention and decode layers for one pass; the model's own settings come back afterwards."""
+        stock_attention = self.config._attn_implementation
+        self.config._attn_implementation = self._tree_attention
+        try:
+            if self._decode_layers is None:
+                yield
+            else:
+                with self._decode_layers.active():
+                    yield
+        finally:
+            self.config._attn_implementation = stock_attention
 
     @property
     def device(self) -> torch.device:
@@ -108,8 +126,8 @@ class Target:
         return KVCache(config.num_hidden_layers, batch_size, kv_heads, head_dim, max_length, self.dtype, self.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = vocab_logits(hidden, self.lm_head.weight) if self.lm_head.bias is None else self.lm_head(hidden)
-        return softcap_logits(logits, self.softcap)
+        """hidden [..., H] -> logits [..., V] through the LM head (and the final soft-capping, if any)."""
+        return softcap_logits(self.lm_head(hidden), self.softcap)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
@@ -122,13 +140,14 @@ class Target:
         ``logits_from ..`` only (a prefill needs just the last one). ``hidden_layers`` are decoder-layer indices
         whose inputs are returned (layer i's input is hidden_states[i]).
         """
-        outputs = self.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                               use_cache=True, **cache_argument(self.decoder, cache),
-                               output_hidden_states=bool(hidden_layers), tree_backend=backend,
-                               prefix_len=prefix_len)
-        hidden = outputs.last_hidden_state
-        layer_hidden = tuple(outputs.hidden_states[i] for i in hidden_layers) if hidden_layers else ()
-        return TargetOutput(self.logits(hidden[:, logits_from:]), hidden, layer_hidden)
+        with self._runtime_layers():
+            outputs = self.backbone(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                                    use_cache=True, **cache_argument(self.backbone, cache),
+                                    output_hidden_states=bool(hidden_layers), tree_backend=backend,
+                                    prefix_len=prefix_len)
+            hidden = outputs.last_hidden_state
+            layer_hidden = tuple(outputs.hidden_states[i] for i in hidden_layers) if hidden_layers else ()
+            return TargetOutput(self.logits(hidden[:, logits_from:]), hidden, layer_hidden)
 
 
 def _float_cache_for_gguf(gguf_path: Path) -> Path:
@@ -144,7 +163,7 @@ def _load_gguf(gguf_path: Path, dtype: torch.dtype, attn: str, quiet: bool):
     float_dir = _float_cache_for_gguf(gguf_path)
     if not (float_dir / "config.json").is_file():
         if not quiet:
-            print(f"[headstart] dequantizing {gguf_path.name} once (about 25 s); cached at {float_dir}",
+            print(f"[headstart] dequantizing {gguf_path.name} once; cached at {float_dir}",
                   file=sys.stderr)
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                      dtype=torch.float32)
@@ -185,28 +204,32 @@ def same_model_identities(identity: str) -> set[str]:
 
 def load_target(name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "float32",
                 device: str | torch.device = "cpu", trust_remote_code: bool = False, quiet: bool = False,
-                attn_implementation: str | None = None, decode_kernels: bool = True) -> Target:
+                attn_implementation: str = "sdpa") -> Target:
     """Load a target from an HF id, a local dir, a .gguf file or an alias (``smollm2-135m``).
 
-    ``decode_kernels=False`` leaves the model's linear and norm layers stock (the benchmark's HF baselines)."""
+    ``target.model`` is a stock transformers model in eval mode with ``attn_implementation`` (what HF ``generate``
+    and training use); the runtime's own passes switch on tree attention and the decode layers for their duration.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)
-    attn = attn_implementation or attention.register_with_transformers()
     identity, gguf_path = resolve_target(name_or_path)
     if gguf_path is not None:
-        model, tokenizer = _load_gguf(gguf_path, torch_dtype, attn, quiet)
+        model, tokenizer = _load_gguf(gguf_path, torch_dtype, attn_implementation, quiet)
     else:
         local = Path(name_or_path).expanduser()
         if (name_or_path.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").is_file():
             raise FileNotFoundError(f"{local} is not a model directory (no config.json)")
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype, attn_implementation=attn,
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype,
+                                                     attn_implementation=attn_implementation,
                                                      trust_remote_code=trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    return Target(model.to(device), tokenizer, identity, decode_kernels)
-
-
-def target_from_model(model, tokenizer=None, identity: str = "in-memory") -> Target:
-    """Wrap an already built model (tests build tiny random ones from configs). Switches it to tree attention."""
-    model.set_attn_implementation(attention.register_with_transformers())
+    model = model.to(device).eval()
+    for parameter in model.parameters():  # a model loaded here is ours to freeze
+        parameter.requires_grad_(False)
     return Target(model, tokenizer, identity)
+
+
+def target_from_model(model, tokenizer=None, identity: str = "in-memory", decode_kernels: bool = True) -> Target:
+    """Wrap a model built or loaded elsewhere (in eval mode); the model is not changed (see ``Target``)."""
+    return Target(model, tokenizer, identity, decode_kernels)

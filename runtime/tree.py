@@ -8,7 +8,7 @@ slot offset in the verification pass, and sorted node lists are root-to-leaf ord
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -82,14 +82,14 @@ class Tree:
         return result
 
     @staticmethod
-    def chain(root: int, tokens: Sequence[int], device=None, proposal_probs=None) -> "Tree":
+    def chain(root: int, tokens: Sequence[int], device=None, proposal_probs=None) -> Tree:
         """A single path root -> tokens[0] -> tokens[1] ..."""
         all_tokens = torch.tensor([root, *tokens], dtype=torch.long, device=device)
         parents = torch.arange(-1, len(tokens), dtype=torch.long, device=device)
         return Tree(all_tokens, parents, proposal_probs)
 
     @staticmethod
-    def from_sequences(root: int, sequences: Sequence[Sequence[int]], max_nodes: int, device=None) -> "Tree":
+    def from_sequences(root: int, sequences: Sequence[Sequence[int]], max_nodes: int, device=None) -> Tree:
         """A trie of continuations, earlier sequences first; at most ``max_nodes`` nodes including the root.
 
         Shared prefixes are merged, so siblings always carry distinct tokens.
@@ -111,7 +111,7 @@ class Tree:
                     torch.tensor(parents, dtype=torch.long, device=device))
 
     @staticmethod
-    def from_choices(root: int, choices: Sequence[Sequence[int]], candidates: torch.Tensor) -> "Tree":
+    def from_choices(root: int, choices: Sequence[Sequence[int]], candidates: torch.Tensor) -> Tree:
         """A static (Medusa-style) tree. ``choices``: paths of top-k ranks, e.g. [[0], [0, 0], [1]];
         ``candidates`` [D, K]: the ranked tokens for each depth. A node for choice c at depth len(c) carries
         ``candidates[len(c) - 1, c[-1]]``. Missing intermediate choices are added.

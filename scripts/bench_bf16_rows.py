@@ -4,22 +4,20 @@
 
 The layers have SmolLM2-135M's shapes (30 decoder layers of 7 linears, then the 49152 x 576 LM head), each with its
 own random bf16 weights, so that the 270 MB stream from memory as in a real pass rather than from cache. Reports the
-median milliseconds of --repeats passes per row count: PyTorch (``F.linear``) and the kernel (heads.kernels, what
-``heads.common.decode_linear`` uses for 2-16 bf16 rows). Run it with nothing else on the machine.
+median milliseconds of --repeats passes per row count: PyTorch (``F.linear``) and the kernel (runtime.kernels, what
+``runtime.decode_layers.decode_linear`` uses for 2-16 bf16 rows). Run it with nothing else on the machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
+import torch
 
-import torch  # noqa: E402
+from runtime.kernels import bf16_rows_matmul
 
-from heads.kernels import bf16_rows_matmul  # noqa: E402
-from scripts.bench_vocab_projection import median_ms  # noqa: E402
+from bench_vocab_projection import median_ms  # scripts/bench_vocab_projection.py
 
 # q, k, v, o, gate, up, down of one decoder layer: [out, in]
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]

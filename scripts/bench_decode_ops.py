@@ -5,8 +5,8 @@
 Attention: SmolLM2-135M's heads (9 query heads, 3 KV heads, head size 64) over ``--context`` cached positions plus
 the new rows, keys and values as views of a longer cache buffer and a tree mask, as a verification pass has them;
 PyTorch's SDPA (what the attention module runs otherwise, with the transpose to [B, T, H, D] after it) against
-``heads.kernels.decode_attention``. RMSNorm: transformers' LlamaRMSNorm over the rows against
-``heads.kernels.rms_norm_rows``. A pass runs 30 attention calls and 61 norms. Reports median microseconds over
+``runtime.kernels.decode_attention``. RMSNorm: transformers' LlamaRMSNorm over the rows against
+``runtime.kernels.rms_norm_rows``. A pass runs 30 attention calls and 61 norms. Reports median microseconds over
 --repeats calls, interleaved. Run it with nothing else on the machine.
 """
 
@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+from runtime.kernels import decode_attention, rms_norm_rows
 
-from heads.kernels import decode_attention, rms_norm_rows  # noqa: E402
-from scripts.bench_vocab_projection import median_ms  # noqa: E402
+from bench_vocab_projection import median_ms  # scripts/bench_vocab_projection.py
 
 HEADS, KV_HEADS, HEAD_SIZE, HIDDEN = 9, 3, 64, 576
 

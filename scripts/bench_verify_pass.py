@@ -4,14 +4,14 @@
     python scripts/bench_verify_pass.py --dtype bfloat16 --sizes 1 4 8
     python scripts/bench_verify_pass.py --compile --freezing  # adds inductor-compiled passes (minutes per shape)
 
-The eager rows are the runtime's own pass (Target.forward with its KV cache), with the decode linears and norms
-(heads.common.decode_linear, heads.common.use_decode_norms) and with the stock layers; both attend through the
+The eager rows are the runtime's own pass (Target.forward with its KV cache), with the decode layers
+(runtime.decode_layers: decode_linear, the decode norms) and with the stock layers; both attend through the
 runtime's backend (in bf16 on CPU the decode attention kernel); ratios are to the runtime's T = 1. The compiled rows run
-the same stock decoder through torch.compile with static shapes: a cache that writes into a fixed buffer with
-``index_copy_`` and a mask over the whole buffer, so no Python int changes between steps (the runtime's cache keeps
-one, which makes dynamo recompile or fall back). The profile splits the T = 1 pass into matrix products and the rest
-and converts the matrix-product time into the bandwidth at which the weights were read. Run it with nothing else on
-the machine.
+the stock model (its own attention and layers, as outside the runtime's passes) through torch.compile with static
+shapes: a cache that writes into a fixed buffer with ``index_copy_`` and a mask over the whole buffer, so no Python
+int changes between steps (the runtime's cache keeps one, which makes dynamo recompile or fall back). The profile
+splits the T = 1 pass into matrix products and the rest and converts the matrix-product time into the bandwidth at
+which the weights were read. Run it with nothing else on the machine.
 """
 
 from __future__ import annotations
@@ -20,15 +20,12 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
+import torch
 
-import torch  # noqa: E402
-
-from heads.common import cache_argument  # noqa: E402
-from runtime.target import DEFAULT_TARGET, load_target  # noqa: E402
-from runtime.tree import Tree, verification_mask  # noqa: E402
+from heads.common import cache_argument
+from runtime.target import DEFAULT_TARGET, load_target, target_from_model
+from runtime.tree import Tree, verification_mask
 
 
 class StaticBufferCache:
@@ -124,7 +121,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     target = load_target(args.target, dtype=args.dtype, quiet=True)
-    stock = load_target(args.target, dtype=args.dtype, quiet=True, decode_kernels=False)
+    # the same weights, wrapped without the decode layers
+    stock = target_from_model(target.model, target.tokenizer, target.identity, decode_kernels=False)
     print(f"threads {torch.get_num_threads()}, context {args.context}, {args.dtype}\n")
     print("| pass | T | median ms | min ms | vs eager T=1 | compile s |\n|---|---:|---:|---:|---:|---:|")
     eager = {(label, size): [] for label in ("eager, stock layers", "eager") for size in args.sizes}
@@ -141,8 +139,8 @@ def main(argv=None) -> int:
         inductor_config.freezing = args.freezing
 
         def step(input_ids, position_ids, kv, slots, mask):
-            out = target.decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
-                                 tree_backend="sdpa", **cache_argument(target.decoder, StaticBufferCache(kv, slots)))
+            out = target.backbone(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
+                                  **cache_argument(target.backbone, StaticBufferCache(kv, slots)))
             return target.logits(out.last_hidden_state)
 
         compiled = torch.compile(step, dynamic=False)

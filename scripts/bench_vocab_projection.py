@@ -1,10 +1,10 @@
-"""Time the decode-sized LM-head product: F.linear against heads.common.vocab_logits, in one process.
+"""Time the decode-sized LM-head product: F.linear against runtime.decode_layers.decode_linear, in one process.
 
     python scripts/bench_vocab_projection.py --vocab 49152 8192 --hidden 576 --rows 1 2 4 8 16 32
 
-Reports the median of --repeats runs per row count and the ratio (above 1: vocab_logits is faster). With
-scripts/bench_verify_pass.py (whole passes, stock against decode linears) it decides heads.common.WEIGHT_MAJOR_MAX_ROWS
-on a new machine. Run it with nothing else on the machine.
+Reports the median of --repeats runs per row count and the ratio (above 1: decode_linear is faster). With
+scripts/bench_verify_pass.py (whole passes, stock against decode linears) it decides
+runtime.decode_layers.WEIGHT_MAJOR_MAX_ROWS on a new machine. Run it with nothing else on the machine.
 """
 
 from __future__ import annotations
@@ -13,13 +13,10 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
+import torch
 
-import torch  # noqa: E402
-
-from heads.common import vocab_logits  # noqa: E402
+from runtime.decode_layers import decode_linear
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -40,13 +37,13 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 16, 32])
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)
-    print("| vocab | rows | F.linear ms | vocab_logits ms | ratio |\n|---:|---:|---:|---:|---:|")
+    print("| vocab | rows | F.linear ms | decode_linear ms | ratio |\n|---:|---:|---:|---:|---:|")
     for vocab in args.vocab:
         weight = torch.randn(vocab, args.hidden)
         for rows in args.rows:
             hidden = torch.randn(rows, args.hidden)
             linear = median_ms(lambda: torch.nn.functional.linear(hidden, weight), args.repeats)
-            ours = median_ms(lambda: vocab_logits(hidden, weight), args.repeats)
+            ours = median_ms(lambda: decode_linear(hidden, weight), args.repeats)
             print(f"| {vocab} | {rows} | {linear:.2f} | {ours:.2f} | {linear / ours:.2f} |")
     return 0
 

@@ -11,13 +11,10 @@ same files.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
-
-from heads.io import atomic_directory, export_head, load_head, read_head_config  # noqa: E402
-from runtime.target import load_target, parse_dtype  # noqa: E402
+from heads.io import atomic_directory, export_head, load_head, read_head_config
+from runtime.target import load_target, parse_dtype
 
 
 def main() -> None:

@@ -5,6 +5,7 @@
 
 Writes one JSON line per prompt to --output (and prints the text): {"id", "prompt", "output_ids", "text",
 "accept_lengths", "target_forwards", "seconds"}.
+The proposer spellings are parsed by scripts/cli.py into a runtime.proposers.ProposerSpec.
 """
 
 from __future__ import annotations
@@ -14,22 +15,22 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
+from tqdm import tqdm
 
-from tqdm import tqdm  # noqa: E402
+from runtime.decoder import SpeculativeDecoder
+from runtime.prompts import encode_prompt, read_prompts
+from runtime.target import DEFAULT_TARGET, load_target
 
-from runtime.decoder import SpeculativeDecoder  # noqa: E402
-from runtime.prompts import encode_prompt, read_prompts  # noqa: E402
-from runtime.proposers import PROPOSER_NAMES, build_proposer  # noqa: E402
-from runtime.target import DEFAULT_TARGET, load_target  # noqa: E402
+from cli import PROPOSER_CHOICES, build_proposer_or_exit, parse_proposer  # scripts/cli.py
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET, help="HF id, local dir, .gguf file or alias")
-    parser.add_argument("--proposer", default="ngram", choices=PROPOSER_NAMES,
-                        help="none, ngram, draft (--draft-model), or a head: medusa, eagle, eagle3 (--head); "
-                             "HEAD+ngram drafts by prompt lookup where it finds a match, by the head elsewhere")
+    parser.add_argument("--proposer", default="ngram", metavar="{" + ",".join(PROPOSER_CHOICES) + "}",
+                        help="none, ngram, draft (--draft-model), or a head: medusa, eagle, eagle3 (--head, or "
+                             "HEAD:DIR); HEAD+ngram drafts by prompt lookup where it finds a match, by the head "
+                             "elsewhere")
     parser.add_argument("--draft-model", help="draft model for --proposer draft")
     parser.add_argument("--head", help="trained head directory for --proposer medusa/eagle/eagle3")
     source = parser.add_mutually_exclusive_group()
@@ -41,7 +42,7 @@ def parse_args(argv=None):
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--top-p", type=float)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tree-tokens", type=int, help="verification tree size (default: from the cost curve)")
+    parser.add_argument("--tree-size", type=int, help="verification tree size (default: from the cost curve)")
     parser.add_argument("--attention", default="auto", choices=("auto", "sdpa", "flex", "cascade"),
                         help="tree-attention backend (auto: flash-attn cascade on CUDA when installed, else SDPA)")
     parser.add_argument("--acceptance", default="exact", choices=("exact", "typical"),
@@ -54,11 +55,12 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    spec = parse_proposer(args.proposer, head=args.head, draft_model=args.draft_model)
     prompts = [{"id": 0, "prompt": args.prompt}] if args.prompt is not None else read_prompts(args.prompts,
                                                                                               args.limit)
     target = load_target(args.target, dtype=args.dtype, device=args.device)
-    proposer = build_proposer(args.proposer, target, args.draft_model, head=args.head)
-    decoder = SpeculativeDecoder(target, proposer, tree_tokens=args.tree_tokens, attention=args.attention,
+    proposer = build_proposer_or_exit(spec, target)
+    decoder = SpeculativeDecoder(target, proposer, tree_size=args.tree_size, attention=args.attention,
                                  acceptance=args.acceptance)
     if args.acceptance == "typical":
         print("[headstart] typical acceptance is lossy: output may differ from the target's own", file=sys.stderr)

@@ -18,11 +18,9 @@ from pathlib import Path
 import yaml
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
-
-from heads.io import CONFIG_NAME, WEIGHTS_NAME, atomic_directory, read_head_config  # noqa: E402
-from heads.shipped import SHIPPED_DIR  # noqa: E402
-from runtime.target import parse_dtype  # noqa: E402
+from heads.io import CONFIG_NAME, WEIGHTS_NAME, atomic_directory, read_head_config
+from heads.shipped import SHIPPED_DIR
+from runtime.target import parse_dtype
 
 
 def main(argv=None) -> int:
@@ -33,11 +31,11 @@ def main(argv=None) -> int:
     parser.add_argument("--into", type=Path, default=SHIPPED_DIR, help="parent directory (default: heads/shipped)")
     parser.add_argument("--depth", type=int, help="EAGLE: default draft depth of the runtime's tree")
     parser.add_argument("--top-k", type=int, help="EAGLE: default top-k per tree level")
-    parser.add_argument("--tree-tokens", type=int,
+    parser.add_argument("--tree-size", type=int,
                         help="default verified tree size (nodes, root included), as measured best by "
                              "scripts/tune_tree.py; without it the runtime's cost model sizes the tree")
     parser.add_argument("--tree-dtype", default="float32",
-                        help="the target dtype --tree-tokens was measured with (other dtypes use the cost model)")
+                        help="the target dtype --tree-size was measured with (other dtypes use the cost model)")
     parser.add_argument("--train-seconds", type=float, help="wall time of the training run, recorded in the config")
     parser.add_argument("--data-command", help="the command that made the run's training data, recorded in the config "
                                                "(e.g. scripts/prepare_data.py selfdistill ...)")
@@ -55,11 +53,11 @@ def main(argv=None) -> int:
     final = summary.get("final_eval") or {}
     if final.get("acc"):
         config["tree"]["acceptance"] = final["acc"]
-    for key, value in (("depth", args.depth), ("top_k", args.top_k), ("tokens", args.tree_tokens)):
+    for key, value in (("depth", args.depth), ("top_k", args.top_k), ("size", args.tree_size)):
         if value is not None:
             config["tree"][key] = value
-    if args.tree_tokens is not None:
-        config["tree"]["tokens_dtype"] = str(parse_dtype(args.tree_dtype)).removeprefix("torch.")
+    if args.tree_size is not None:
+        config["tree"]["size_dtype"] = str(parse_dtype(args.tree_dtype)).removeprefix("torch.")
     init_from = config["training"].get("config", {}).get("init_from")
     if init_from and (Path(init_from) / CONFIG_NAME).is_file():  # a continued run: keep how its start was made
         start = read_head_config(Path(init_from)).get("training", {})

@@ -54,7 +54,7 @@ timed "$RUNS/eagle3-sd.seconds" python training/train.py head=eagle3 head.ttt_st
   data=selfdistill data.path="$RUNS/sd/sharegpt_sd.jsonl" data.val_samples=24 \
   eval.at_start=true eval.every=95 eval.max_samples=24 checkpoint.every=20 \
   init_from="$RUNS/stages/smollm2-135m-eagle3-stage2" output_dir="$RUNS/smollm2-eagle3-sd"
-python scripts/ship_head.py "$RUNS/smollm2-eagle3-sd" smollm2-135m-eagle3 --depth 2 --top-k 8 --tree-tokens 4 \
+python scripts/ship_head.py "$RUNS/smollm2-eagle3-sd" smollm2-135m-eagle3 --depth 2 --top-k 8 --tree-size 4 \
   --train-seconds "$(cat "$RUNS/eagle3-sd.seconds")" \
   --data-command "$SELFDISTILL" --data-seconds "$(cat "$RUNS/sd.seconds")"
 python scripts/ship_head.py "$RUNS/smollm2-medusa" smollm2-135m-medusa-stage1 --into "$RUNS/stages" \
@@ -63,6 +63,6 @@ timed "$RUNS/medusa-sd.seconds" python training/train.py head=medusa trainer.thr
   trainer.warmup_steps=10 data=selfdistill data.path="$RUNS/sd/sharegpt_sd.jsonl" data.val_samples=24 \
   eval.at_start=true eval.every=100 eval.max_samples=24 checkpoint.every=20 \
   init_from="$RUNS/stages/smollm2-135m-medusa-stage1" output_dir="$RUNS/smollm2-medusa-sd"
-python scripts/ship_head.py "$RUNS/smollm2-medusa-sd" smollm2-135m-medusa --tree-tokens 4 \
+python scripts/ship_head.py "$RUNS/smollm2-medusa-sd" smollm2-135m-medusa --tree-size 4 \
   --train-seconds "$(cat "$RUNS/medusa-sd.seconds")" \
   --data-command "$SELFDISTILL" --data-seconds "$(cat "$RUNS/sd.seconds")"

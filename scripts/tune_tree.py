@@ -6,7 +6,7 @@
 An EAGLE setting is DEPTH,TOP_K,TREE_TOKENS; a Medusa setting is TREE_TOKENS (the static tree of that many nodes
 calibrated from the head's measured accuracies). Prompts default to MT-bench first turns 21-24 (outside the
 benchmark's usual first prompts). Prints tokens/s, the ratio to plain decoding and tau per setting; write the best
-into a shipped head with ``scripts/ship_head.py --depth D --top-k K --tree-tokens T``. Run it with nothing else on
+into a shipped head with ``scripts/ship_head.py --depth D --top-k K --tree-size T``. Run it with nothing else on
 the machine.
 """
 
@@ -15,15 +15,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
+from runtime.decoder import SpeculativeDecoder
+from runtime.prompts import encode_prompt, read_prompts
+from runtime.proposers import NoProposer, ProposerSpec
+from runtime.proposers.eagle import EagleProposer
+from runtime.target import DEFAULT_TARGET, load_target
 
-from runtime.decoder import SpeculativeDecoder  # noqa: E402
-from runtime.prompts import encode_prompt, read_prompts  # noqa: E402
-from runtime.proposers import NoProposer, build_proposer  # noqa: E402
-from runtime.proposers.eagle import EagleProposer  # noqa: E402
-from runtime.target import DEFAULT_TARGET, load_target  # noqa: E402
+from cli import build_proposer_or_exit, parse_grid_setting  # scripts/cli.py
 
 
 def main(argv=None) -> int:
@@ -41,26 +40,23 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     medusa = args.proposer == "medusa"
     grid = args.grid or (["2", "3", "4", "6", "8"] if medusa else ["1,8,2", "1,8,4", "2,8,4", "2,8,8", "3,8,8"])
-    settings = {}  # checked before the target loads, so a typo costs no wait
-    for setting in grid:
-        parts = setting.split(",")
-        if len(parts) != (1 if medusa else 3) or not all(part.strip().isdigit() for part in parts):
-            parser.error(f"grid setting {setting!r}: expected " + ("TREE_TOKENS" if medusa else
-                                                                   "DEPTH,TOP_K,TREE_TOKENS") + " (integers)")
-        settings[setting] = [int(part) for part in parts]
+    fields = ("TREE_TOKENS",) if medusa else ("DEPTH", "TOP_K", "TREE_TOKENS")
+    # checked before the target loads, so a typo costs no wait
+    settings = {setting: parse_grid_setting(setting, fields) for setting in grid}
+    spec = ProposerSpec(args.proposer, head=args.head)
 
     target = load_target(args.target, dtype=args.dtype)
     prompts = [encode_prompt(target.tokenizer, p["prompt"])
                for p in read_prompts(limit=args.first + args.count)[args.first:]]
-    proposer = build_proposer(args.proposer, target, head=args.head)
+    proposer = build_proposer_or_exit(spec, target)
     decoders = {"none": SpeculativeDecoder(target, NoProposer())}
     for setting, values in settings.items():
         if medusa:
-            decoders[setting] = SpeculativeDecoder(target, proposer, tree_tokens=values[0])
+            decoders[setting] = SpeculativeDecoder(target, proposer, tree_size=values[0])
         else:
-            depth, top_k, tree_tokens = values
+            depth, top_k, tree_size = values
             decoders[setting] = SpeculativeDecoder(
-                target, EagleProposer(proposer.head, target, depth=depth, top_k=top_k), tree_tokens=tree_tokens)
+                target, EagleProposer(proposer.head, target, depth=depth, top_k=top_k), tree_size=tree_size)
     for decoder in decoders.values():  # warm-up
         decoder.generate(prompts[0], 8)
     totals = {name: [0, 0.0, []] for name in decoders}

@@ -15,13 +15,13 @@ class BadProposer:
     hidden_layers: tuple[int, ...] = ()
     needs_hidden = False
     expected_acceptance = 0.5
-    tree_tokens = None
+    tree_size = None
 
     def start(self, prompt, max_length):
         return None
 
     def propose(self, state, step: ProposeInput) -> Tree:
-        return Tree.chain(int(step.history[-1]), [3] * (step.budget - 1), device=step.history.device)
+        return Tree.chain(int(step.history[-1]), [3] * (step.tree_size - 1), device=step.history.device)
 
 
 class RandomProposer:
@@ -31,7 +31,7 @@ class RandomProposer:
     hidden_layers: tuple[int, ...] = ()
     needs_hidden = False
     expected_acceptance = 0.5
-    tree_tokens = None
+    tree_size = None
 
     def __init__(self, vocab_size: int, seed: int = 0):
         self.vocab_size = vocab_size
@@ -41,7 +41,7 @@ class RandomProposer:
         return None
 
     def propose(self, state, step: ProposeInput) -> Tree:
-        size = int(torch.randint(1, step.budget + 1, (), generator=self.generator))
+        size = int(torch.randint(1, step.tree_size + 1, (), generator=self.generator))
         parents = [-1] + [int(torch.randint(0, i, (), generator=self.generator)) for i in range(1, size)]
         tokens = torch.randint(0, self.vocab_size, (size,), generator=self.generator)
         tokens[0] = step.history[-1]

@@ -58,7 +58,8 @@ def test_rejection_with_sampled_children_preserves_p():
     for first in range(4):
         for second in range(4):
             weight = q[first] * q[second]
-            total += weight * exact_first_token_distribution(p, [first, second], q, samples=3000, seed=first * 4 + second)
+            total += weight * exact_first_token_distribution(p, [first, second], q, samples=3000,
+                                                             seed=first * 4 + second)
     assert torch.allclose(total, p, atol=0.015)
 
 

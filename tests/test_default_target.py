@@ -1,7 +1,6 @@
 """End to end on the real default target (SmolLM2-135M-Instruct from its packaged GGUF). Run with -m slow."""
 
 import pytest
-import torch
 
 from runtime.decoder import SpeculativeDecoder
 from runtime.prompts import encode_prompt, read_prompts
@@ -30,14 +29,14 @@ def test_speculative_output_equals_hf_greedy_on_mt_bench(targets):
         ids = encode_prompt(target.tokenizer, item["prompt"])
         reference = stock.generate(ids[None], max_new_tokens=48, do_sample=False)[0, ids.numel():].tolist()
         for proposer in (None, NgramProposer()):
-            result = SpeculativeDecoder(target, proposer, tree_tokens=8).generate(ids, 48)
+            result = SpeculativeDecoder(target, proposer, tree_size=8).generate(ids, 48)
             assert result.tokens == reference
 
 
 def test_sampling_runs_and_is_reproducible(targets):
     target, _ = targets
     ids = encode_prompt(target.tokenizer, "Name three colors.")
-    decoder = SpeculativeDecoder(target, NgramProposer(), tree_tokens=8)
+    decoder = SpeculativeDecoder(target, NgramProposer(), tree_size=8)
     first = decoder.generate(ids, 24, temperature=0.8, top_p=0.9, seed=7).tokens
     assert first == decoder.generate(ids, 24, temperature=0.8, top_p=0.9, seed=7).tokens
     assert len(first) > 0 and all(0 <= t < target.vocab_size for t in first)
@@ -46,17 +45,19 @@ def test_sampling_runs_and_is_reproducible(targets):
 @pytest.mark.parametrize("kind", ["eagle3", "medusa", "eagle3+ngram"])
 def test_shipped_heads_are_the_default_and_lossless(targets, kind):
     from heads.shipped import SHIPPED_DIR
-    from runtime.proposers import build_proposer
+    from runtime.proposers import ProposerSpec, build_proposer
 
     target, stock = targets
-    proposer = build_proposer(kind, target)  # no head given: the one shipped for the default target
+    head_type, _, lookup = kind.partition("+")
+    # no head given: the one shipped for the default target
+    proposer = build_proposer(ProposerSpec(head_type, lookup_first=bool(lookup)), target)
     assert proposer.name == kind
     prompts = read_prompts(limit=2)
     accepted = []
     for item in prompts:
         ids = encode_prompt(target.tokenizer, item["prompt"])
         reference = stock.generate(ids[None], max_new_tokens=48, do_sample=False)[0, ids.numel():].tolist()
-        result = SpeculativeDecoder(target, proposer, tree_tokens=8).generate(ids, 48)  # force drafting
+        result = SpeculativeDecoder(target, proposer, tree_size=8).generate(ids, 48)  # force drafting
         assert result.tokens == reference
         accepted.extend(result.accept_lengths)
     assert sum(accepted) / len(accepted) > 1.1, "the shipped head drafts nothing acceptable"

@@ -16,15 +16,15 @@ def path_logprobs(path: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.log_softmax(torch.randn(VOCAB, generator=generator) * 2, dim=-1)
 
 
-def exhaustive_best(depth: int, budget: int, seed: int) -> set[tuple[int, ...]]:
-    """The ``budget - 1`` best paths of up to ``depth`` tokens by cumulative log-probability, over every path."""
+def exhaustive_best(depth: int, tree_size: int, seed: int) -> set[tuple[int, ...]]:
+    """The ``tree_size - 1`` best paths of up to ``depth`` tokens by cumulative log-probability, over every path."""
     scored = []
     for length in range(1, depth + 1):
         for path in itertools.product(range(VOCAB), repeat=length):
             score = sum(float(path_logprobs(path[:i], seed)[path[i]]) for i in range(length))
             scored.append((score, path))
     scored.sort(reverse=True)
-    return {path for _, path in scored[: budget - 1]}
+    return {path for _, path in scored[: tree_size - 1]}
 
 
 def tree_paths(tree) -> set[tuple[int, ...]]:
@@ -40,9 +40,9 @@ def tree_paths(tree) -> set[tuple[int, ...]]:
     return paths
 
 
-@pytest.mark.parametrize("depth,top_k,budget", [(2, 4, 4), (3, 4, 5), (3, 5, 6), (4, 5, 4)])
+@pytest.mark.parametrize("depth,top_k,tree_size", [(2, 4, 4), (3, 4, 5), (3, 5, 6), (4, 5, 4)])
 @pytest.mark.parametrize("seed", range(4))
-def test_dynamic_tree_keeps_the_best_nodes_and_forwards_only_nodes_whose_children_can_be_kept(depth, top_k, budget,
+def test_dynamic_tree_keeps_the_best_nodes_and_forwards_only_nodes_whose_children_can_be_kept(depth, top_k, tree_size,
                                                                                                seed):
     token_paths: dict[int, tuple[int, ...]] = {}  # node id -> token path, as the expansion forwards them
     forwarded: list[int] = []
@@ -55,9 +55,9 @@ def test_dynamic_tree_keeps_the_best_nodes_and_forwards_only_nodes_whose_childre
         forwarded.append(len(rows))
         return torch.stack(rows)
 
-    tree = build_dynamic_tree(99, path_logprobs((), seed), 10, forward_frontier, depth, top_k, budget)
-    assert tree.tokens[0] == 99 and tree.size == budget
-    # top_k >= budget - 1, so EAGLE-2's frontier never drops a node the exhaustive search keeps
-    assert tree_paths(tree) == exhaustive_best(depth, budget, seed)
-    # the frontier at depth d is cut to the budget - 1 - d best nodes: only their children can be kept
-    assert forwarded == [min(top_k, budget - 1 - d) for d in range(1, depth) if budget - 1 - d > 0]
+    tree = build_dynamic_tree(99, path_logprobs((), seed), 10, forward_frontier, depth, top_k, tree_size)
+    assert tree.tokens[0] == 99 and tree.size == tree_size
+    # top_k >= tree_size - 1, so EAGLE-2's frontier never drops a node the exhaustive search keeps
+    assert tree_paths(tree) == exhaustive_best(depth, tree_size, seed)
+    # the frontier at depth d is cut to the tree_size - 1 - d best nodes: only their children can be kept
+    assert forwarded == [min(top_k, tree_size - 1 - d) for d in range(1, depth) if tree_size - 1 - d > 0]

@@ -38,11 +38,11 @@ def test_every_proposer_matches_hf_greedy(arch):
     target = target_from_model(tiny_model(arch, seed=0, vocab_size=VOCAB), identity="tiny")
     references = [hf_greedy(arch, prompt, NEW_TOKENS) for prompt in PROMPTS]
     for name, proposer in proposers(target, arch).items():
-        for tree_tokens in (1, 8):
-            decoder = SpeculativeDecoder(target, proposer, tree_tokens=tree_tokens)
+        for tree_size in (1, 8):
+            decoder = SpeculativeDecoder(target, proposer, tree_size=tree_size)
             for prompt, reference in zip(PROMPTS, references):
                 result = decoder.generate(prompt, NEW_TOKENS)
-                assert result.tokens == reference, f"{arch}/{name}/T={tree_tokens}: output differs"
+                assert result.tokens == reference, f"{arch}/{name}/T={tree_size}: output differs"
                 assert sum(result.accept_lengths) + 1 == NEW_TOKENS or result.stop_reason == "stop"
                 assert result.target_forwards == len(result.accept_lengths) + 1
 
@@ -50,7 +50,7 @@ def test_every_proposer_matches_hf_greedy(arch):
 def test_self_draft_accepts_whole_chains():
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
     result = SpeculativeDecoder(target, DraftModelProposer(target, target, "chain", depth=5),
-                                tree_tokens=6).generate(PROMPTS[1], 34)
+                                tree_size=6).generate(PROMPTS[1], 34)
     assert result.accept_lengths == [6] * 5 + [3]  # every draft accepted; the last pass is cut by the length limit
     assert result.depth_acceptance[:5] == [1.0] * 5
 
@@ -63,7 +63,7 @@ def test_stop_token_inside_an_accepted_path_ends_generation_there(proposer_name)
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
     proposer = proposers(target, "llama")[proposer_name]
     streamed = []
-    result = SpeculativeDecoder(target, proposer, tree_tokens=8).generate(
+    result = SpeculativeDecoder(target, proposer, tree_size=8).generate(
         PROMPTS[2], NEW_TOKENS, stop_token_ids=[stop], stream=streamed.extend)
     assert result.tokens == expected and result.stop_reason == "stop"
     assert streamed == expected
@@ -72,14 +72,14 @@ def test_stop_token_inside_an_accepted_path_ends_generation_there(proposer_name)
 
 def test_max_new_tokens_is_respected_exactly():
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
-    decoder = SpeculativeDecoder(target, DraftModelProposer(target, target, "chain", depth=7), tree_tokens=8)
+    decoder = SpeculativeDecoder(target, DraftModelProposer(target, target, "chain", depth=7), tree_size=8)
     for limit in (1, 2, 5, 13):
         assert len(decoder.generate(PROMPTS[1], limit).tokens) == limit
 
 
 def test_prompt_beyond_the_context_is_a_clear_error():
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
-    decoder = SpeculativeDecoder(target, None, tree_tokens=1)
+    decoder = SpeculativeDecoder(target, None, tree_size=1)
     with pytest.raises(ValueError, match="exceeds the target's context of 512"):
         decoder.generate(list(range(500)) * 1, 20)
     with pytest.raises(ValueError, match="prompt is empty"):
@@ -96,7 +96,7 @@ def test_gpu_greedy_equality(dtype, backend):
                                do_sample=False)[0, len(PROMPTS[2]):].tolist()
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB).to("cuda", dtype), identity="tiny")
     for proposer in (None, NgramProposer(), DraftModelProposer(target, target, "tree", depth=4, top_k=3)):
-        result = SpeculativeDecoder(target, proposer, tree_tokens=8, attention=backend).generate(PROMPTS[2],
+        result = SpeculativeDecoder(target, proposer, tree_size=8, attention=backend).generate(PROMPTS[2],
                                                                                                  NEW_TOKENS)
         assert result.tokens == reference
 
@@ -106,8 +106,8 @@ def test_typical_acceptance_at_temperature_zero_is_greedy():
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
     reference = hf_greedy("llama", PROMPTS[1], NEW_TOKENS)
     proposer = DraftModelProposer(target, target, "tree", depth=4, top_k=3)
-    result = SpeculativeDecoder(target, proposer, tree_tokens=8, acceptance="typical").generate(PROMPTS[1],
+    result = SpeculativeDecoder(target, proposer, tree_size=8, acceptance="typical").generate(PROMPTS[1],
                                                                                                   NEW_TOKENS)
     assert result.tokens == reference
     with pytest.raises(ValueError, match="typical"):
-        SpeculativeDecoder(target, proposer, tree_tokens=8, acceptance="lossy")
+        SpeculativeDecoder(target, proposer, tree_size=8, acceptance="lossy")

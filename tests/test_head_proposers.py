@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from heads.common import frozen_target_weights
-from heads.eagle import EagleConfig, EagleHead, default_feature_layers
+from heads.eagle import EagleConfig, EagleHead
+from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.medusa import MedusaConfig, MedusaHeads
 from runtime.decoder import SpeculativeDecoder
 from runtime.proposers.eagle import EagleProposer
@@ -19,14 +20,14 @@ from tests.test_greedy_equality import PROMPTS, hf_greedy
 VOCAB = 64
 
 
-def eagle_head(target, kind, seed=0, draft_vocab=0):
+def eagle_head(target, head_type, seed=0, draft_vocab=0):
     torch.manual_seed(seed)
-    layers = default_feature_layers(target.num_layers) if kind == "eagle3" else []
-    config = EagleConfig(kind=kind, feature_layers=layers, draft_vocab_size=draft_vocab,
-                         fc_bias=kind == "eagle")
-    embed, lm_head = frozen_target_weights(target.model)
-    head = EagleHead(config, target.config, embed, lm_head)
-    if kind == "eagle3" and draft_vocab:
+    if head_type == "eagle3":
+        head = Eagle3Head(Eagle3Config(draft_vocab_size=draft_vocab), target.config)
+    else:
+        head = EagleHead(EagleConfig(), target.config)
+    head.attach_target_weights(*frozen_target_weights(target.model))
+    if head_type == "eagle3" and draft_vocab:
         # a reduced vocabulary: every other target id
         draft_ids = torch.arange(0, VOCAB, VOCAB // draft_vocab)[:draft_vocab]
         t2d = torch.zeros(VOCAB, dtype=torch.bool)
@@ -35,12 +36,13 @@ def eagle_head(target, kind, seed=0, draft_vocab=0):
     return head.eval()
 
 
-def medusa_heads(target, seed=0, layers=1):
+def medusa_heads(target, seed=0, layers=1, trained=True, num_heads=3):
     torch.manual_seed(seed)
     _, lm_head = frozen_target_weights(target.model)
-    heads = MedusaHeads(MedusaConfig(num_heads=3, num_layers=layers, shared_lm_head=True), target.config, lm_head)
+    heads = MedusaHeads(MedusaConfig(num_heads=num_heads, num_layers=layers, shared_lm_head=True), target.config)
+    heads.attach_target_weights(None, lm_head)
     with torch.no_grad():  # "trained": move the residual blocks off their identity initialisation
-        for parameter in heads.parameters():
+        for parameter in heads.parameters() if trained else ():
             parameter.add_(torch.randn_like(parameter) * 0.3)
     return heads.eval()
 
@@ -51,8 +53,7 @@ def head_proposers(target):
         "eagle3": EagleProposer(eagle_head(target, "eagle3"), target, depth=4, top_k=3),
         "eagle3-draft-vocab": EagleProposer(eagle_head(target, "eagle3", draft_vocab=32), target, depth=3, top_k=4),
         "medusa": MedusaProposer(medusa_heads(target)),
-        "medusa-identity": MedusaProposer(MedusaHeads(MedusaConfig(num_heads=2, num_layers=1), target.config,
-                                                      frozen_target_weights(target.model)[1]).eval()),
+        "medusa-identity": MedusaProposer(medusa_heads(target, layers=1, trained=False, num_heads=2)),
         "eagle3+ngram": LookupFirstProposer(EagleProposer(eagle_head(target, "eagle3"), target, depth=4, top_k=3)),
         "medusa+ngram": LookupFirstProposer(MedusaProposer(medusa_heads(target))),
     }
@@ -62,7 +63,7 @@ def test_head_proposers_match_hf_greedy(arch):
     target = target_from_model(tiny_model(arch, seed=0, vocab_size=VOCAB), identity="tiny")
     references = [hf_greedy(arch, prompt, 40) for prompt in PROMPTS]
     for name, proposer in head_proposers(target).items():
-        decoder = SpeculativeDecoder(target, proposer, tree_tokens=10)
+        decoder = SpeculativeDecoder(target, proposer, tree_size=10)
         for prompt, reference in zip(PROMPTS, references):
             result = decoder.generate(prompt, 40)
             assert result.tokens == reference, f"{arch}/{name}"
@@ -70,11 +71,11 @@ def test_head_proposers_match_hf_greedy(arch):
 
 
 def test_calibrated_choices_are_ancestor_closed_and_prefer_likely_paths():
-    choices = calibrated_choices([0.8, 0.5, 0.3], budget=8, top_k=4)
+    choices = calibrated_choices([0.8, 0.5, 0.3], tree_size=8, top_k=4)
     assert len(choices) == 7 and choices[0] == (0,)
     assert all(c[:-1] in choices or len(c) == 1 for c in choices)
     assert (0, 0) in choices and (0, 0, 0) in choices
-    assert calibrated_choices([0.9], budget=4, top_k=10) == [(0,), (1,), (2,)]
+    assert calibrated_choices([0.9], tree_size=4, top_k=10) == [(0,), (1,), (2,)]
 
 
 @pytest.mark.parametrize("name", ["eagle", "eagle3-draft-vocab", "medusa", "eagle+ngram"])
@@ -84,20 +85,24 @@ def test_head_proposers_preserve_the_sampling_distribution(name):
     def build(target):
         return head_proposers_small(target)[name]
 
-    assert sampling.empirical_p_value(build, SamplingParams(temperature=1.0), tree_tokens=5) > 1e-3
+    assert sampling.empirical_p_value(build, SamplingParams(temperature=1.0), tree_size=5) > 1e-3
 
 
 def head_proposers_small(target):
     """The same proposers over the 5-token vocabulary of the sampling test."""
     embed, lm_head = frozen_target_weights(target.model)
     torch.manual_seed(0)
-    eagle = EagleHead(EagleConfig(kind="eagle"), target.config, embed, lm_head).eval()
-    eagle3 = EagleHead(EagleConfig(kind="eagle3", feature_layers=[0, 0, 0], draft_vocab_size=3), target.config,
-                       embed, lm_head)
+    eagle = EagleHead(EagleConfig(), target.config)
+    eagle.attach_target_weights(embed, lm_head)
+    eagle.eval()
+    eagle3 = Eagle3Head(Eagle3Config(feature_layers=[0, 0, 0], draft_vocab_size=3), target.config)
+    eagle3.attach_target_weights(embed, lm_head)
     t2d = torch.zeros(5, dtype=torch.bool)
     t2d[[0, 2, 4]] = True
     eagle3.set_draft_vocab(torch.tensor([0, 1, 2]), t2d)
-    medusa = MedusaHeads(MedusaConfig(num_heads=2, num_layers=1), target.config, lm_head).eval()
+    medusa = MedusaHeads(MedusaConfig(num_heads=2, num_layers=1), target.config)
+    medusa.attach_target_weights(embed, lm_head)
+    medusa.eval()
     return {"eagle": EagleProposer(eagle, target, depth=3, top_k=2),
             "eagle3-draft-vocab": EagleProposer(eagle3.eval(), target, depth=3, top_k=2),
             "medusa": MedusaProposer(medusa, top_k=3),
@@ -105,43 +110,45 @@ def head_proposers_small(target):
                                                NgramProposer(max_ngram=2, min_ngram=1))}
 
 
-def test_saved_heads_load_into_proposers_by_name(tmp_path):
+def test_saved_heads_load_into_proposers_by_spec(tmp_path):
     from heads.common import target_signature
     from heads.io import save_head
-    from runtime.proposers import build_proposer
+    from runtime.proposers import NoShippedHead, ProposerSpec, build_proposer
 
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
     eagle_dir, medusa_dir = tmp_path / "eagle", tmp_path / "medusa"
     signature = target_signature(target.model, "tiny")
     save_head(eagle_head(target, "eagle"), eagle_dir, signature, tree={"depth": 3})
-    save_head(medusa_heads(target), medusa_dir, signature, tree={"acceptance": [0.7, 0.4, 0.2], "tokens": 3})
-    eagle = build_proposer(f"eagle:{eagle_dir}", target)
-    medusa = build_proposer("medusa", target, head=str(medusa_dir))
+    save_head(medusa_heads(target), medusa_dir, signature, tree={"acceptance": [0.7, 0.4, 0.2], "size": 3})
+    eagle = build_proposer(ProposerSpec("eagle", head=eagle_dir), target)
+    medusa = build_proposer(ProposerSpec("medusa", head=str(medusa_dir)), target)
     assert eagle.depth == 3 and medusa.head_accuracy == [0.7, 0.4, 0.2]
-    combined = build_proposer(f"medusa+ngram:{medusa_dir}", target)
-    assert combined.name == "medusa+ngram" and combined.tree_tokens == 3 and combined.head.head_accuracy[0] == 0.7
-    assert eagle.tree_tokens is None and medusa.tree_tokens == 3  # a measured size in the config is the default
-    assert SpeculativeDecoder(target, medusa).tree_tokens == 3
+    combined = build_proposer(ProposerSpec("medusa", head=str(medusa_dir), lookup_first=True), target)
+    assert combined.name == "medusa+ngram" and combined.tree_size == 3 and combined.head.head_accuracy[0] == 0.7
+    assert eagle.tree_size is None and medusa.tree_size == 3  # a measured size in the config is the default
+    assert SpeculativeDecoder(target, medusa).tree_size == 3
     bf16 = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB).to(torch.bfloat16), identity="tiny")
-    assert build_proposer("medusa", bf16, head=str(medusa_dir)).tree_tokens is None  # measured in float32 only
-    bf16_combined = build_proposer(f"medusa+ngram:{medusa_dir}", bf16)
-    assert bf16_combined.tree_tokens is None  # so the cost model sizes it, for lookup's acceptance where that is higher
+    assert build_proposer(ProposerSpec("medusa", head=str(medusa_dir)), bf16).tree_size is None  # float32 only
+    bf16_combined = build_proposer(ProposerSpec("medusa", head=str(medusa_dir), lookup_first=True), bf16)
+    assert bf16_combined.tree_size is None  # so the cost model sizes it, for lookup's acceptance where that is higher
     assert bf16_combined.expected_acceptance == max(NgramProposer().expected_acceptance,
                                                     bf16_combined.head.expected_acceptance)
     reference = hf_greedy("llama", PROMPTS[1], 30)
     for proposer in (eagle, medusa):
-        assert SpeculativeDecoder(target, proposer, tree_tokens=8).generate(PROMPTS[1], 30).tokens == reference
+        assert SpeculativeDecoder(target, proposer, tree_size=8).generate(PROMPTS[1], 30).tokens == reference
     with pytest.raises(ValueError, match="holds a medusa head"):
-        build_proposer(f"eagle:{medusa_dir}", target)
-    with pytest.raises(ValueError, match="needs --head DIR .* no eagle3 head ships for target 'tiny'"):
-        build_proposer("eagle3", target)
+        build_proposer(ProposerSpec("eagle", head=str(medusa_dir)), target)
+    with pytest.raises(NoShippedHead, match="no eagle3 head ships for target 'tiny' .* pass ProposerSpec.head"):
+        build_proposer(ProposerSpec("eagle3"), target)
+    with pytest.raises(TypeError, match="takes a ProposerSpec"):
+        build_proposer(f"eagle:{eagle_dir}", target)  # the kind:DIR spelling is the scripts' (scripts/cli.py)
 
 
 @pytest.mark.parametrize("name", ["eagle", "medusa"])
-def test_head_proposers_with_a_one_node_budget_decode_plainly(name):
+def test_head_proposers_with_a_one_node_tree_decode_plainly(name):
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
     proposer = head_proposers(target)[name]
-    result = SpeculativeDecoder(target, proposer, tree_tokens=1).generate(PROMPTS[0], 12)
+    result = SpeculativeDecoder(target, proposer, tree_size=1).generate(PROMPTS[0], 12)
     assert result.tokens == hf_greedy("llama", PROMPTS[0], 12) and result.tau == 1.0
 
 
@@ -152,7 +159,7 @@ def test_target_and_heads_pass_the_cache_under_the_installed_transformers_name(n
     import warnings
 
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
-    decoder = SpeculativeDecoder(target, head_proposers(target)[name], tree_tokens=6)
+    decoder = SpeculativeDecoder(target, head_proposers(target)[name], tree_size=6)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*past_key_values.*")
         result = decoder.generate(PROMPTS[0], 12)

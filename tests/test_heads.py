@@ -10,8 +10,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from heads.common import target_signature
 from heads.eagle import EagleConfig, EagleHead
+from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.io import export_head, load_head, save_head
 from heads.medusa import MedusaConfig, MedusaHeads
+from heads.registry import HEAD_TYPES, build_head
 from tests.tiny_training import char_tokenizer
 
 
@@ -25,16 +27,18 @@ def tiny_target(hidden=32, vocab=64, layers=4, seed=0):
 def make_head(kind, model):
     embed, lm_head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     if kind == "eagle":
-        return EagleHead(EagleConfig(), model.config, embed, lm_head)
-    if kind == "eagle3":
-        head = EagleHead(EagleConfig(kind="eagle3", fc_bias=False, feature_layers=[1, 2, 3], draft_vocab_size=16),
-                         model.config, embed, None)
+        head = EagleHead(EagleConfig(), model.config)
+    elif kind == "eagle3":
+        head = Eagle3Head(Eagle3Config(feature_layers=[1, 2, 3], draft_vocab_size=16), model.config)
         t2d = torch.zeros(64, dtype=torch.bool)
         t2d[torch.arange(0, 64, 4)] = True
         head.set_draft_vocab(torch.arange(0, 64, 4) - torch.arange(16), t2d)
+    else:
+        head = MedusaHeads(MedusaConfig(num_heads=3, num_layers=2, shared_lm_head=kind == "medusa"), model.config)
+        head.attach_target_weights(embed, lm_head, init_heads=True)
         return head
-    return MedusaHeads(MedusaConfig(num_heads=3, num_layers=2, shared_lm_head=kind == "medusa"), model.config,
-                       lm_head)
+    head.attach_target_weights(embed, lm_head)
+    return head
 
 
 def perturb(head):
@@ -134,67 +138,6 @@ def test_batched_medusa_logits_equal_per_head_logits(kind):
     torch.testing.assert_close(batched, separate)
 
 
-@pytest.mark.parametrize("shape", [(32,), (1, 32), (3, 32), (2, 3, 32), (1, 9, 32)])
-def test_vocab_logits_equals_linear(shape):
-    from heads.common import vocab_logits
-
-    weight = torch.randn(64, 32)
-    hidden = torch.randn(*shape)
-    with torch.inference_mode():
-        fast = vocab_logits(hidden, weight)
-    torch.testing.assert_close(fast, torch.nn.functional.linear(hidden, weight), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("shape", [(32,), (1, 32), (2, 3, 32), (1, 16, 32), (1, 17, 32)])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_decode_linear_equals_linear(shape, with_bias):
-    from heads.common import decode_linear
-
-    weight, bias = torch.randn(48, 32), (torch.randn(48) if with_bias else None)
-    hidden = torch.randn(*shape[:-1], 64)[..., ::2]  # a strided view, as attention outputs can be
-    with torch.inference_mode():
-        fast = decode_linear(hidden, weight, bias)
-    torch.testing.assert_close(fast, torch.nn.functional.linear(hidden, weight, bias), rtol=1e-5, atol=1e-5)
-    # A strided result would push the attention that follows off SDPA's fused CPU kernel.
-    assert fast.is_contiguous()
-
-
-def test_decode_linears_switch_plain_linears_only_and_keep_outputs():
-    from heads.common import DecodeLinear, use_decode_linears
-
-    class Adapter(torch.nn.Linear):
-        pass
-
-    model = tiny_target()
-    model.extra = Adapter(4, 4)
-    ids = torch.randint(0, model.config.vocab_size, (1, 5))
-    with torch.inference_mode():
-        before = model(ids).logits
-        use_decode_linears(model)
-        after = model(ids).logits
-    layer = model.get_decoder().layers[0]
-    assert type(layer.self_attn.q_proj) is DecodeLinear and type(layer.mlp.down_proj) is DecodeLinear
-    assert type(model.extra) is Adapter
-    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("arch, switched", [("llama", True), ("qwen2", True), ("gemma", False)])
-def test_decode_norms_switch_llama_formula_norms_only_and_keep_outputs(arch, switched):
-    from heads.common import use_decode_norms
-    from tests.conftest import tiny_model
-
-    model = tiny_model(arch).bfloat16()
-    norm_class = type(model.get_decoder().norm)
-    ids = torch.randint(0, model.config.vocab_size, (1, 5))
-    with torch.inference_mode():
-        before = model(ids).logits.float()
-        use_decode_norms(model)
-        after = model(ids).logits.float()
-    now = type(model.get_decoder().norm)
-    assert (now is not norm_class and issubclass(now, norm_class)) == switched
-    torch.testing.assert_close(after, before, rtol=0.02, atol=0.02)  # bf16: the sum of squares in another order
-
-
 def test_eagle3_output_starts_as_the_targets_lm_head():
     model = tiny_target()
     head = make_head("eagle3", model)
@@ -215,3 +158,42 @@ def test_softcap_logits_caps_and_passes_through():
     capped = softcap_logits(logits, 30.0)
     torch.testing.assert_close(capped, 30.0 * torch.tanh(logits / 30.0))
     assert capped.abs().max() < 30.0
+
+
+def test_registry_builds_every_head_type_from_its_saved_config():
+    model = tiny_target()
+    for head_type, cls in HEAD_TYPES.items():
+        assert cls.head_type == head_type
+        head = build_head(head_type, {}, model.config)
+        assert type(head) is cls and head.head_type == head_type
+    with pytest.raises(ValueError, match="unknown head type 'hydra'; choose one of eagle, eagle3, medusa"):
+        build_head("hydra", {}, model.config)
+    with pytest.raises(ValueError, match=r"unknown medusa head config keys \['depth'\]"):
+        build_head("medusa", {"depth": 3}, model.config)
+
+
+def test_every_head_type_has_a_training_config_and_no_other():
+    from pathlib import Path
+
+    conf = Path(__file__).resolve().parents[1] / "conf" / "head"
+    assert {path.stem for path in conf.glob("*.yaml")} == set(HEAD_TYPES)
+
+
+def test_heads_saved_with_the_shared_eagle_config_still_load():
+    """Heads written when EAGLE-1 and EAGLE-3 shared one config carry its keys (kind, fc_bias, ...)."""
+    model = tiny_target()
+    eagle3 = build_head("eagle3", {"kind": "eagle3", "num_layers": 1, "fc_bias": False, "feature_layers": [1, 2, 3],
+                                   "draft_vocab_size": 16}, model.config)
+    assert eagle3.feature_layers == [1, 2, 3] and eagle3.draft_vocab_size == 16
+    eagle = build_head("eagle", {"kind": "eagle", "num_layers": 1, "fc_bias": True, "feature_layers": [],
+                                 "draft_vocab_size": 0}, model.config)
+    assert eagle.config == EagleConfig()
+    with pytest.raises(ValueError, match="kind='eagle3', not 'eagle'"):
+        build_head("eagle", {"kind": "eagle3"}, model.config)
+
+
+def test_eagle3_defaults_and_checks_its_feature_layers():
+    model = tiny_target(layers=8)
+    assert Eagle3Head(Eagle3Config(), model.config).feature_layers == [2, 4, 5]
+    with pytest.raises(ValueError, match=r"feature layers \[8\] are outside the target's layers 0..7"):
+        Eagle3Head(Eagle3Config(feature_layers=[0, 1, 8]), model.config)

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from heads.common import WEIGHT_MAJOR_MAX_ROWS, decode_linear
-from heads.kernels import (KERNEL_CPU_CAPABILITIES, bf16_rows_linear, bf16_rows_matmul, decode_attention,
+from runtime.decode_layers import WEIGHT_MAJOR_MAX_ROWS, decode_linear
+from runtime.kernels import (KERNEL_CPU_CAPABILITIES, bf16_rows_linear, bf16_rows_matmul, decode_attention,
                            rms_norm_rows)
 
 

@@ -40,9 +40,9 @@ def exact_joint(params: SamplingParams) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3.view(VOCAB, VOCAB, VOCAB)
 
 
-def empirical_p_value(proposer, params: SamplingParams, tree_tokens: int = 4) -> float:
+def empirical_p_value(proposer, params: SamplingParams, tree_size: int = 4) -> float:
     target = target_from_model(model(0), identity="tiny")
-    decoder = SpeculativeDecoder(target, proposer(target) if proposer else None, tree_tokens=tree_tokens)
+    decoder = SpeculativeDecoder(target, proposer(target) if proposer else None, tree_size=tree_size)
     counts = torch.zeros(VOCAB ** 3)
     for seed in range(SAMPLES):
         x1, x2, x3 = decoder.generate(PROMPT, 3, params.temperature, params.top_k, params.top_p, seed=seed).tokens
@@ -54,7 +54,8 @@ def empirical_p_value(proposer, params: SamplingParams, tree_tokens: int = 4) ->
     observed = torch.cat([counts[~rare], counts[rare].sum()[None]])
     wanted = torch.cat([expected[~rare], expected[rare].sum()[None]])
     keep = wanted > 0
-    return float(chisquare(observed[keep].numpy(), wanted[keep].numpy() * observed.sum().item() / wanted[keep].sum().item()).pvalue)
+    scale = observed.sum().item() / wanted[keep].sum().item()
+    return float(chisquare(observed[keep].numpy(), wanted[keep].numpy() * scale).pvalue)
 
 
 def draft(target, mode):

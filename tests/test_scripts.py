@@ -1,13 +1,37 @@
-"""The command-line scripts, end to end on a tiny random model that uses the default target's tokenizer."""
+"""The command-line scripts end to end (run as a user runs them, in a subprocess), and the library they call
+(runtime.benchmark, runtime.prompts, runtime.proposers.ProposerSpec), on a tiny random model that uses the default
+target's tokenizer."""
 
+import dataclasses
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+from runtime.benchmark import (DecoderMethod, ForwardCounter, HFBaseline, HFModels, early_exit_layers,
+                               first_divergence, method_from_json, method_to_json, run_hf)
+from runtime.proposers import NgramProposer, NoProposer, ProposerSpec, build_proposer
 from runtime.target import DEFAULT_TARGET, _float_cache_for_gguf, load_target, resolve_target
 from tests.conftest import tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_script(script: str, *args, check: bool = True, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """``python scripts/SCRIPT ARGS`` from the repository root; fails the test with the script's stderr."""
+    command = [sys.executable, *(["-c", args[0], *args[1:]] if script == "-c" else [f"scripts/{script}", *args])]
+    # one thread, like the test process: the subprocess must not fight the other core's work
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    result = subprocess.run([str(part) for part in command], cwd=cwd, capture_output=True, text=True, env=env,
+                            timeout=900)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{script} exited with {result.returncode}:\n{result.stderr[-4000:]}")
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +50,15 @@ def tiny_dir(tmp_path_factory):
     return directory
 
 
-def test_generate_script_writes_jsonl(tiny_dir, tmp_path):
-    from scripts.generate import main
+# --- the scripts, as subprocesses ---
 
+
+def test_generate_script_writes_jsonl(tiny_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "hello there"}) + "\n" + json.dumps({"turns": ["hi", "x"]}) + "\n")
     out = tmp_path / "out.jsonl"
-    assert main(["--target", str(tiny_dir), "--proposer", "ngram", "--prompts", str(prompts),
-                 "--max-new-tokens", "12", "--tree-tokens", "6", "--output", str(out)]) == 0
+    run_script("generate.py", "--target", tiny_dir, "--proposer", "ngram", "--prompts", prompts,
+               "--max-new-tokens", "12", "--tree-size", "6", "--output", out)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [line["prompt"] for line in lines] == ["hello there", "hi"]
     for line in lines:
@@ -42,14 +67,22 @@ def test_generate_script_writes_jsonl(tiny_dir, tmp_path):
         assert line["target_forwards"] == len(line["accept_lengths"]) + 1
 
 
-def test_benchmark_script_reports_every_method(tiny_dir, tmp_path):
-    from scripts.benchmark import main
+def test_generate_script_names_the_flag_of_a_mistake(tiny_dir):
+    missing_draft = run_script("generate.py", "--proposer", "draft", "--prompt", "hi", check=False)
+    assert missing_draft.returncode != 0 and "--proposer: draft needs --draft-model" in missing_draft.stderr
+    assert "Traceback" not in missing_draft.stderr
+    no_head = run_script("generate.py", "--target", tiny_dir, "--proposer", "eagle3", "--prompt", "hi", check=False)
+    assert no_head.returncode != 0 and "Traceback" not in no_head.stderr
+    assert "--proposer: eagle3 needs --head DIR" in no_head.stderr
+    assert "no eagle3 head ships for target" in no_head.stderr
 
+
+def test_benchmark_script_reports_every_method(tiny_dir, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["one two one two", "abc abc abc"]))
     out = tmp_path / "results.json"
-    assert main(["--target", str(tiny_dir), "--prompts", str(prompts), "--max-new-tokens", "16",
-                 "--tree-tokens", "6", "--output", str(out), "--device", "cpu"]) == 0
+    run_script("benchmark.py", "--target", tiny_dir, "--prompts", prompts, "--max-new-tokens", "16",
+               "--tree-size", "6", "--output", out, "--device", "cpu")
     results = json.loads(out.read_text())
     assert set(results["methods"]) == {"hf-greedy", "hf-pld", "none", "ngram"}
     for name, row in results["methods"].items():
@@ -58,31 +91,143 @@ def test_benchmark_script_reports_every_method(tiny_dir, tmp_path):
         assert 0.0 <= row["draft_share"] < 1.0
     assert results["methods"]["hf-greedy"]["draft_share"] == 0.0 < results["methods"]["ngram"]["draft_share"]
     assert out.with_suffix(".png").is_file()
+    specs = {name: method_from_json(data) for name, data in results["config"]["method_specs"].items()}
+    assert specs == {"hf-greedy": HFBaseline("hf-greedy"), "hf-pld": HFBaseline("hf-pld"),
+                     "none": DecoderMethod(ProposerSpec("none")), "ngram": DecoderMethod(ProposerSpec("ngram"))}
 
 
-def test_benchmark_output_keeps_the_finished_prompts_of_a_run_that_dies(tiny_dir, tmp_path, monkeypatch):
-    import scripts.benchmark as benchmark
+def test_benchmark_runs_hf_greedy_in_bf16_beside_fp32(tiny_dir, tmp_path):
+    from runtime.benchmark import rescore
 
-    calls = []
-    real_run_ours = benchmark.run_ours
-
-    def dies_on_the_second_prompt(*args):
-        calls.append(1)
-        if len(calls) == 3:  # the warm-up, the first prompt, then the second prompt
-            raise KeyboardInterrupt
-        return real_run_ours(*args)
-
-    monkeypatch.setattr(benchmark, "run_ours", dies_on_the_second_prompt)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["one two one two", "abc abc abc", "x y"]))
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["one two one two", "abc abc abc"]))
     out = tmp_path / "results.json"
-    with pytest.raises(KeyboardInterrupt):
-        benchmark.main(["--target", str(tiny_dir), "--prompts", str(prompts), "--max-new-tokens", "8",
-                        "--methods", "hf-greedy,ngram", "--output", str(out), "--device", "cpu"])
+    run_script("benchmark.py", "--target", tiny_dir, "--methods", "hf-greedy,hf-greedy-bf16,ngram", "--prompts",
+               prompts, "--max-new-tokens", "12", "--tree-size", "4", "--output", out)
     results = json.loads(out.read_text())
-    assert results["config"]["n_prompts_done"] == 1 and len(results["records"]) == 1
-    assert results["methods"]["ngram"]["identical"] == 1.0
-    assert [path.name for path in tmp_path.iterdir() if path.name.startswith("results")] == ["results.json"]
+    methods = results["methods"]
+    fastest = max(("hf-greedy", "hf-greedy-bf16"), key=lambda name: methods[name]["tokens_per_s"])
+    assert methods[fastest]["speedup_vs_fastest_hf_greedy"] == pytest.approx(1.0)
+    for row in methods.values():
+        assert row["speedup_vs_fastest_hf_greedy"] == pytest.approx(
+            row["tokens_per_s"] / methods[fastest]["tokens_per_s"])
+    assert methods["ngram"]["identical"] == 1.0
+    bf16 = [record["outputs"]["hf-greedy-bf16"] for record in results["records"]]
+    assert all(0 < len(tokens) <= 12 for tokens in bf16)
+    if methods["hf-greedy-bf16"]["identical"] < 1.0:  # bf16 rounding reordered a near-tie: the report says where
+        assert results["divergences"]["hf-greedy-bf16"]["divergent"] >= 1
+    # A results file from before the methods were recorded: the script reads the method names as --methods.
+    results["divergences"] = {"stale": {}}
+    del results["config"]["method_specs"]
+    out.write_text(json.dumps(results))
+    run_script("benchmark.py", "--rescore", out)  # recomputes the report from the stored outputs alone
+    rescored = json.loads(out.read_text())
+    assert rescored["records"] == results["records"] and "stale" not in rescored["divergences"]
+    diverged = {name for name in methods if methods[name]["identical"] < 1.0}
+    assert set(rescored["divergences"]) == diverged
+    # the library rescores a file from the methods it records
+    rescored["divergences"] = {"stale": {}}
+    rescored["config"]["method_specs"] = {"hf-greedy": method_to_json(HFBaseline("hf-greedy")),
+                                          "hf-greedy-bf16": method_to_json(HFBaseline("hf-greedy", "bfloat16")),
+                                          "ngram": method_to_json(DecoderMethod(ProposerSpec("ngram"), 4))}
+    out.write_text(json.dumps(rescored))
+    assert set(rescore(out, device="cpu")) == diverged
+    assert "stale" not in json.loads(out.read_text())["divergences"]
+
+
+def test_benchmark_compares_with_hf_assisted_generation(tiny_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "one two one two"}))
+    out = tmp_path / "results.json"
+    run_script("benchmark.py", "--target", tiny_dir, "--draft-model", tiny_dir, "--methods", "hf-assisted,draft@3",
+               "--prompts", prompts, "--max-new-tokens", "12", "--tree-size", "4", "--output", out)
+    methods = json.loads(out.read_text())["methods"]
+    assert set(methods) == {"hf-greedy", "hf-assisted", "draft@3"}
+    assert methods["hf-assisted"]["identical"] == 1.0 and methods["draft@3"]["identical"] == 1.0
+    assert methods["draft@3"]["tree_size"] == 3
+
+
+def test_benchmark_script_rejects_a_misspelt_method_before_loading_anything(tmp_path):
+    result = run_script("benchmark.py", "--target", tmp_path / "no-such-model", "--methods", "hf-greedy,eagle3-bf16",
+                        "--output", tmp_path / "results.json", check=False)
+    assert result.returncode != 0 and "--methods: unknown proposer 'eagle3-bf16'" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "results.json").exists()
+
+
+def test_vocab_projection_benchmark_prints_every_row_count():
+    result = run_script("bench_vocab_projection.py", "--vocab", "64", "--hidden", "8", "--rows", "1", "3",
+                        "--repeats", "2")
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| 64 |")]
+    assert [line.split("|")[2].strip() for line in rows] == ["1", "3"]
+
+
+# The scripts' command-line spellings (scripts/cli.py), parsed in the interpreter the scripts run in.
+PARSE = r"""
+import dataclasses, json, sys
+from cli import check_early_exit, parse_method, parse_proposer
+from runtime.benchmark import HFBaseline, method_to_json
+
+out = []
+for kind, text, kwargs in json.loads(sys.argv[1]):
+    try:
+        if kind == "method":
+            out.append(method_to_json(parse_method(text, **kwargs)))
+        elif kind == "proposer":
+            out.append(dataclasses.asdict(parse_proposer(text, **kwargs)))
+        else:
+            check_early_exit({text: HFBaseline("hf-early-exit", early_exit_layers=kwargs["n"])}, kwargs["layers"])
+            out.append("ok")
+    except SystemExit as error:
+        out.append({"error": str(error)})
+print(json.dumps(out))
+"""
+
+
+def test_command_line_spellings_parse_into_typed_values():
+    spec = dataclasses.asdict
+    cases = [  # (kind, text, keyword arguments, the typed value or an error's fragment)
+        ("method", "hf-greedy", {}, method_to_json(HFBaseline("hf-greedy"))),
+        ("method", "hf-greedy-bf16", {}, method_to_json(HFBaseline("hf-greedy", "bfloat16"))),
+        ("method", "hf-pld-fp32", {}, method_to_json(HFBaseline("hf-pld", "float32"))),
+        ("method", "hf-early-exit", {}, method_to_json(HFBaseline("hf-early-exit"))),
+        ("method", "hf-early-exit:2", {}, method_to_json(HFBaseline("hf-early-exit", early_exit_layers=2))),
+        ("method", "hf-early-exit:x", {}, "--methods: hf-early-exit:x: N must be a layer count"),
+        ("method", "hf-early-exit:0", {}, "--methods: hf-early-exit:0: N must be a layer count"),
+        ("method", "hf-assisted", {"draft_model": "d"}, method_to_json(HFBaseline("hf-assisted", draft_model="d"))),
+        ("method", "hf-assisted", {}, "--methods: hf-assisted needs --draft-model"),
+        ("method", "hf-beam", {}, "--methods: unknown HF baseline 'hf-beam'"),
+        ("method", "eagle3-bf16", {}, "--methods: unknown proposer 'eagle3-bf16'"),
+        ("method", "ngram", {}, method_to_json(DecoderMethod(ProposerSpec("ngram")))),
+        ("method", "eagle3+ngram@4", {}, method_to_json(DecoderMethod(ProposerSpec("eagle3", lookup_first=True), 4))),
+        ("method", "eagle:/runs/x@3", {}, method_to_json(DecoderMethod(ProposerSpec("eagle", head="/runs/x"), 3))),
+        ("method", "medusa+ngram:/runs/a@b/head", {},
+         method_to_json(DecoderMethod(ProposerSpec("medusa", head="/runs/a@b/head", lookup_first=True)))),
+        ("method", "draft@3", {"draft_model": "d"}, method_to_json(DecoderMethod(ProposerSpec("draft", draft_model="d"),
+                                                                                 3))),
+        ("method", "draft", {}, "--methods: draft needs --draft-model"),
+        ("method", "ngram@0", {}, "--methods: ngram@0: the tree size after '@' must be a positive integer"),
+        ("proposer", "eagle3+ngram", {}, spec(ProposerSpec("eagle3", lookup_first=True))),
+        ("proposer", "eagle3:DIR", {}, spec(ProposerSpec("eagle3", head="DIR"))),
+        ("proposer", "eagle3+ngram:DIR", {}, spec(ProposerSpec("eagle3", head="DIR", lookup_first=True))),
+        ("proposer", "medusa", {"head": "H"}, spec(ProposerSpec("medusa", head="H"))),
+        ("proposer", "ngram", {"draft_model": "d"}, spec(ProposerSpec("ngram"))),  # --draft-model is draft's only
+        ("proposer", "eagle3:DIR", {"head": "OTHER"}, "--proposer: 'eagle3:DIR' names a head directory, and --head"),
+        ("proposer", "ngram+ngram", {}, "--proposer: unknown proposer 'ngram+ngram'"),
+        ("proposer", "ngram", {"head": "H"}, "--proposer: a head directory is for medusa, eagle, eagle3, not 'ngram'"),
+        ("proposer", "eagle3:", {}, "--proposer: 'eagle3:' names no head directory"),
+        ("check", "hf-early-exit:3", {"n": 3, "layers": 4}, "ok"),
+        ("check", "hf-early-exit:4", {"n": 4, "layers": 4}, "--methods: hf-early-exit:4: N must be a layer count "
+                                                             "from 1 to 3 (the target has 4 layers)"),
+    ]
+    result = run_script("-c", PARSE, json.dumps([case[:3] for case in cases]), cwd=REPO / "scripts")
+    for (kind, text, kwargs, expected), got in zip(cases, json.loads(result.stdout), strict=True):
+        if isinstance(expected, str) and expected != "ok":
+            assert expected in got.get("error", ""), (kind, text, kwargs, got)
+        else:
+            assert got == expected, (kind, text, kwargs)
+
+
+# --- the library the scripts call ---
 
 
 def test_missing_local_model_is_a_clear_error(tmp_path):
@@ -95,16 +240,46 @@ def test_missing_local_model_is_a_clear_error(tmp_path):
     assert torch.get_num_threads() >= 1
 
 
-def test_first_divergence():
-    from scripts.benchmark import first_divergence
+def test_proposer_specs_are_checked_and_their_errors_name_the_field():
+    assert ProposerSpec("eagle3", lookup_first=True).label == "eagle3+ngram" and ProposerSpec("ngram").label == "ngram"
+    assert ProposerSpec("medusa", head=Path("/runs/head")).head == "/runs/head"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ProposerSpec("ngram").name = "none"
+    for kwargs, field in [({"name": "eagle4"}, "ProposerSpec.name"), ({"name": "draft"}, "ProposerSpec.draft_model"),
+                          ({"name": "ngram", "draft_model": "d"}, "ProposerSpec.draft_model"),
+                          ({"name": "ngram", "head": "h"}, "ProposerSpec.head"),
+                          ({"name": "none", "lookup_first": True}, "ProposerSpec.lookup_first")]:
+        with pytest.raises(ValueError, match=field) as error:
+            ProposerSpec(**kwargs)
+        assert "--" not in str(error.value)  # a library error names no command-line flag
+    assert isinstance(build_proposer(ProposerSpec("none"), None), NoProposer)  # these two need no target
+    assert isinstance(build_proposer(ProposerSpec("ngram"), None), NgramProposer)
 
+
+def test_benchmark_methods_are_checked_and_round_trip_through_json():
+    assert HFBaseline("hf-greedy", "bf16").dtype == "bfloat16"
+    for kwargs, field in [({"method": "hf-beam"}, "HFBaseline.method"),
+                          ({"method": "hf-assisted"}, "HFBaseline.draft_model"),
+                          ({"method": "hf-greedy", "early_exit_layers": 2}, "HFBaseline.early_exit_layers"),
+                          ({"method": "hf-early-exit", "early_exit_layers": 0}, "HFBaseline.early_exit_layers")]:
+        with pytest.raises(ValueError, match=field):
+            HFBaseline(**kwargs)
+    with pytest.raises(ValueError, match="DecoderMethod.tree_size"):
+        DecoderMethod(ProposerSpec("ngram"), 0)
+    for method in (HFBaseline("hf-pld", "bfloat16"), HFBaseline("hf-early-exit", early_exit_layers=3),
+                   HFBaseline("hf-assisted", draft_model="d"),
+                   DecoderMethod(ProposerSpec("medusa", head="h", lookup_first=True), 4)):
+        assert method_from_json(json.loads(json.dumps(method_to_json(method)))) == method
+
+
+def test_first_divergence():
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
     assert first_divergence([1, 2], [1, 2, 3]) == 2
 
 
 def test_divergence_report_scores_the_first_differing_token(tiny_dir):
-    from scripts.benchmark import divergence_report
+    from runtime.benchmark import divergence_report
 
     model = load_target(str(tiny_dir), attn_implementation="sdpa", quiet=True).model
     ids = torch.tensor([5, 6, 7])
@@ -121,7 +296,7 @@ def test_divergence_report_scores_the_first_differing_token(tiny_dir):
 
 def test_divergence_report_counts_the_bf16_baselines_rounding(tiny_dir):
     """A float32 method that differs from a bf16 HF greedy run: the baseline's rounding decides the near-tie."""
-    from scripts.benchmark import divergence_report, rounding_step
+    from runtime.benchmark import divergence_report, rounding_step
 
     model = load_target(str(tiny_dir), attn_implementation="sdpa", quiet=True).model
     bf16 = load_target(str(tiny_dir), dtype="bfloat16", attn_implementation="sdpa", quiet=True).model
@@ -137,80 +312,91 @@ def test_divergence_report_counts_the_bf16_baselines_rounding(tiny_dir):
     assert case["near_tie"] == (case["fp32_gap"] <= 2 * error or one_step)
 
 
-def test_hf_method_names_carry_an_optional_dtype():
-    from scripts.benchmark import hf_method
-
-    assert hf_method("hf-greedy", "float32") == ("hf-greedy", "float32")
-    assert hf_method("hf-greedy-bf16", "float32") == ("hf-greedy", "bfloat16")
-    assert hf_method("hf-pld-fp32", "bfloat16") == ("hf-pld", "float32")
-    assert hf_method("ngram", "float32") is None and hf_method("eagle3-bf16", "float32") is None
-
-
 def test_hf_early_exit_reproduces_greedy_and_counts_only_full_target_passes():
-    from scripts.benchmark import ForwardCounter, early_exit_layers, hf_method, run_hf
-
-    assert hf_method("hf-early-exit", "bfloat16") == ("hf-early-exit", "bfloat16")
-    assert hf_method("hf-early-exit:2", "float32") == ("hf-early-exit:2", "float32")
     model = tiny_model("llama", num_hidden_layers=4).eval()
-    assert early_exit_layers("hf-early-exit", model) == 1 and early_exit_layers("hf-early-exit:3", model) == 3
-    for bad in ("hf-early-exit:4", "hf-early-exit:0", "hf-early-exit:x"):
-        with pytest.raises(SystemExit, match="layer count from 1 to 3"):
-            early_exit_layers(bad, model)
+    assert early_exit_layers(None, 4) == 1 and early_exit_layers(3, 4) == 3
+    for bad in (4, 0):
+        with pytest.raises(ValueError, match="HFBaseline.early_exit_layers must be a layer count from 1 to 3"):
+            early_exit_layers(bad, 4)
     counter = ForwardCounter(model)
     ids = torch.tensor([5, 9, 2, 7, 5, 9])
-    greedy, _, greedy_passes, _ = run_hf(model, counter, ids, "hf-greedy", 12, [0])
-    drafted, _, passes, _ = run_hf(model, counter, ids, "hf-early-exit:2", 12, [0])
+    greedy, _, greedy_passes, _ = run_hf(model, counter, ids, HFBaseline("hf-greedy"), 12, [0])
+    drafted, _, passes, _ = run_hf(model, counter, ids, HFBaseline("hf-early-exit", early_exit_layers=2), 12, [0])
     assert drafted == greedy and greedy_passes == len(greedy)
     # A random model's early exit drafts are mostly rejected: about one full pass a token. Counting the draft's own
     # passes too would give several a token.
     assert 1 < passes <= len(drafted) + 1
+    with pytest.raises(ValueError, match="from 1 to 3"):  # checked against the model it runs on
+        run_hf(model, counter, ids, HFBaseline("hf-early-exit", early_exit_layers=4), 12, [0])
+    counter.remove()
+    assert not model._forward_pre_hooks
 
 
-def test_benchmark_runs_hf_greedy_in_bf16_beside_fp32(tiny_dir, tmp_path):
-    from scripts.benchmark import main
+def test_hf_baselines_run_on_the_targets_own_model_and_load_other_dtypes_once(tiny_dir):
+    target = load_target(str(tiny_dir), quiet=True)
+    models = HFModels(target, str(tiny_dir))
+    assert models.model() is target.model and models.model("float32") is target.model
+    bf16 = models.model("bfloat16")
+    assert bf16 is not target.model and bf16.dtype == torch.bfloat16 and models.model("bf16") is bf16
+    assert models.counter("bfloat16") is models.counter(torch.bfloat16)
+    models.counter()
+    assert target.model._forward_pre_hooks
+    models.close()
+    assert not target.model._forward_pre_hooks  # the target's model is left as it was
 
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["one two one two", "abc abc abc"]))
+
+def test_benchmark_output_keeps_the_finished_prompts_of_a_run_that_dies(tiny_dir, tmp_path, monkeypatch):
+    import runtime.benchmark as benchmark
+
+    calls = []
+    real_run_ours = benchmark.run_ours
+
+    def dies_on_the_second_prompt(*args):
+        calls.append(1)
+        if len(calls) == 3:  # the warm-up, the first prompt, then the second prompt
+            raise KeyboardInterrupt
+        return real_run_ours(*args)
+
+    monkeypatch.setattr(benchmark, "run_ours", dies_on_the_second_prompt)
+    prompts = [{"id": index, "prompt": p} for index, p in enumerate(["one two one two", "abc abc abc", "x y"])]
     out = tmp_path / "results.json"
-    assert main(["--target", str(tiny_dir), "--methods", "hf-greedy,hf-greedy-bf16,ngram", "--prompts", str(prompts),
-                 "--max-new-tokens", "12", "--tree-tokens", "4", "--output", str(out)]) == 0
+    target = load_target(str(tiny_dir), quiet=True)
+    with pytest.raises(KeyboardInterrupt):
+        benchmark.run_benchmark(target, str(tiny_dir), {"ngram": DecoderMethod(ProposerSpec("ngram"))}, prompts, out,
+                                max_new_tokens=8, progress=False)
     results = json.loads(out.read_text())
-    methods = results["methods"]
-    fastest = max(("hf-greedy", "hf-greedy-bf16"), key=lambda name: methods[name]["tokens_per_s"])
-    assert methods[fastest]["speedup_vs_fastest_hf_greedy"] == pytest.approx(1.0)
-    for row in methods.values():
-        assert row["speedup_vs_fastest_hf_greedy"] == pytest.approx(
-            row["tokens_per_s"] / methods[fastest]["tokens_per_s"])
-    assert methods["ngram"]["identical"] == 1.0
-    bf16 = [record["outputs"]["hf-greedy-bf16"] for record in results["records"]]
-    assert all(0 < len(tokens) <= 12 for tokens in bf16)
-    if methods["hf-greedy-bf16"]["identical"] < 1.0:  # bf16 rounding reordered a near-tie: the report says where
-        assert results["divergences"]["hf-greedy-bf16"]["divergent"] >= 1
-    results["divergences"] = {"stale": {}}
-    out.write_text(json.dumps(results))
-    assert main(["--rescore", str(out)]) == 0  # recomputes the report from the stored outputs alone
-    rescored = json.loads(out.read_text())
-    assert rescored["records"] == results["records"] and "stale" not in rescored["divergences"]
-    assert set(rescored["divergences"]) == {name for name in methods if methods[name]["identical"] < 1.0}
+    assert results["config"]["n_prompts_done"] == 1 and len(results["records"]) == 1
+    assert set(results["methods"]) == {"hf-greedy", "ngram"}  # the baseline was added
+    assert results["methods"]["ngram"]["identical"] == 1.0
+    assert [path.name for path in tmp_path.iterdir() if path.name.startswith("results")] == ["results.json"]
+    assert not target.model._forward_pre_hooks
 
 
-def test_benchmark_compares_with_hf_assisted_generation(tiny_dir, tmp_path):
-    from scripts.benchmark import main
-
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"prompt": "one two one two"}))
-    out = tmp_path / "results.json"
-    assert main(["--target", str(tiny_dir), "--draft-model", str(tiny_dir), "--methods", "hf-assisted,draft@3",
-                 "--prompts", str(prompts), "--max-new-tokens", "12", "--tree-tokens", "4", "--output", str(out)]) == 0
-    methods = json.loads(out.read_text())["methods"]
-    assert set(methods) == {"hf-greedy", "hf-assisted", "draft@3"}
-    assert methods["hf-assisted"]["identical"] == 1.0 and methods["draft@3"]["identical"] == 1.0
-    assert methods["draft@3"]["tree_tokens"] == 3
+# --- prompt batches ---
 
 
-def test_vocab_projection_benchmark_prints_every_row_count(capsys):
-    from scripts.bench_vocab_projection import main
+def test_prompt_batches_are_left_padded_and_left_truncated_without_changing_the_tokenizer(tiny_dir):
+    from runtime.prompts import batch_pad_token_id, encode_prompt_batch
 
-    assert main(["--vocab", "64", "--hidden", "8", "--rows", "1", "3", "--repeats", "2"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 64 |")]
-    assert [line.split("|")[2].strip() for line in rows] == ["1", "3"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    short, long = "the sea", " ".join(["a long question about the sea"] * 8) + " assistant:"
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in (short, long)]
+    width = len(ids[0]) + 3
+    assert len(ids[1]) > width
+    for pad_token in (tokenizer.pad_token, None):  # with a pad token, and without one (padding with end-of-sequence)
+        tokenizer.pad_token = pad_token
+        tokenizer.padding_side, tokenizer.truncation_side = "right", "right"
+        before = (tokenizer.padding_side, tokenizer.truncation_side, tokenizer.pad_token, tokenizer.pad_token_id)
+        encoded = encode_prompt_batch(tokenizer, [short, long], max_length=width)
+        assert (tokenizer.padding_side, tokenizer.truncation_side, tokenizer.pad_token,
+                tokenizer.pad_token_id) == before
+        assert isinstance(encoded, dict) and set(encoded) == {"input_ids", "attention_mask"}
+        assert encoded["input_ids"].shape == encoded["attention_mask"].shape == (2, width)
+        assert encoded["input_ids"][1].tolist() == ids[1][-width:]  # truncated at the start: the end stays
+        assert encoded["input_ids"][0, 3:].tolist() == ids[0]  # padded on the left
+        pad = tokenizer.eos_token_id if pad_token is None else tokenizer.pad_token_id
+        assert batch_pad_token_id(tokenizer) == pad and encoded["input_ids"][0, :3].tolist() == [pad] * 3
+        assert encoded["attention_mask"][0].tolist() == [0] * 3 + [1] * len(ids[0])
+        assert encoded["attention_mask"][1].tolist() == [1] * width
+    narrow = encode_prompt_batch(tokenizer, [short], max_length=100)
+    assert narrow["input_ids"][0].tolist() == ids[0]  # no longer than the longest prompt

@@ -4,14 +4,13 @@ greedy decoding)."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from heads.eagle import EagleConfig, EagleHead
+from heads.eagle3 import Eagle3Config, Eagle3Head
 from training.draft_vocab import build_draft_vocab, count_tokens, draft_to_target_ids, target_to_draft_ids
 from training.losses import decay_weights, feature_regression_loss, soft_cross_entropy, sparse_soft_cross_entropy
 from training.masks import ChainCache, chain_attention_mask, next_token_mask, shift_left
@@ -92,8 +91,8 @@ def test_training_time_test_equals_sequential_drafting():
     """Step k of the batched chain (one forward per step, chain mask) gives, for every row t, exactly what a
     drafter computes when it runs the chain from context t alone with a real cache."""
     model = tiny_llama()
-    head = EagleHead(EagleConfig(kind="eagle3", fc_bias=False, feature_layers=[1, 2, 3]), model.config,
-                     model.get_input_embeddings().weight, None).eval()
+    head = Eagle3Head(Eagle3Config(feature_layers=[1, 2, 3]), model.config).eval()
+    head.attach_target_weights(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
     torch.manual_seed(1)
     length, steps = 6, 3
     ids = torch.randint(0, 48, (1, length))

@@ -27,7 +27,7 @@ def test_every_group_option_composes_with_every_head():
     configs = compose_many([[f"head={head}", f"target={target}", f"data={data}", f"deepspeed={zero}",
                              f"tracker={tracker}", *TARGETS[target], *DATA[data]]
                             for head, target, data, zero, tracker in combinations])
-    for (head, target, data, zero, tracker), config in zip(combinations, configs):
+    for (head, _target, data, zero, tracker), config in zip(combinations, configs):
         assert isinstance(config, TrainConfig) and isinstance(config.head, HEADS[head])
         assert config.deepspeed.stage == int(zero[-1])
         assert config.tracker.kind == tracker
@@ -37,7 +37,7 @@ def test_every_group_option_composes_with_every_head():
 
 def test_defaults_are_the_embedded_ones():
     config = compose_config()
-    assert config.head.type == "eagle" and config.target.name == "smollm2-135m"
+    assert config.head.head_type == "eagle" and config.target.name == "smollm2-135m"
     assert config.data.source == "sharegpt" and config.deepspeed.stage == 2
     assert config.tracker.kind == "wandb" and config.tracker.mode == "offline"
     assert config.output_dir == "runs/eagle"

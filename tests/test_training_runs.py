@@ -29,10 +29,10 @@ def tiny(tmp_path_factory):
 
 
 def run_config(tiny, output_dir, head, steps, extra=()):
-    from training.run import run
+    from training.recipe import train
 
     target, data = tiny
-    return run(compose_config(tiny_overrides(target, data, output_dir, head, steps, list(extra))))
+    return train(compose_config(tiny_overrides(target, data, output_dir, head, steps, list(extra))))
 
 
 def head_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -61,19 +61,19 @@ def test_short_run_lowers_loss_and_raises_acceptance(tiny, tmp_path, head):
 
 def check_shipping(run_dir: Path, into: Path, target_dir: Path) -> None:
     """scripts/ship_head.py stores the head in bf16 with its training record; it loads into a proposer."""
-    from runtime.proposers import build_proposer
+    from runtime.proposers import ProposerSpec, build_proposer
     from runtime.target import load_target
-    from scripts.ship_head import main
 
     data_command = "python scripts/prepare_data.py selfdistill --out sd.jsonl"
-    assert main([str(run_dir), "tiny-medusa", "--into", str(into), "--train-seconds", "12",
-                 "--data-command", data_command, "--data-seconds", "5"]) == 0
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "ship_head.py"), str(run_dir), "tiny-medusa", "--into",
+                    str(into), "--train-seconds", "12", "--data-command", data_command, "--data-seconds", "5"],
+                   check=True, env=_env(), cwd=ROOT)
     shipped = into / "tiny-medusa"
     config = json.loads((shipped / "config.json").read_text())
     assert config["training"]["wall_seconds"] == 12 and config["training"]["command"].startswith("python training/")
     assert config["training"]["data_command"] == data_command and config["training"]["data_seconds"] == 5
     assert all(t.dtype == torch.bfloat16 for t in load_file(str(shipped / "model.safetensors")).values())
-    proposer = build_proposer("medusa", load_target(str(target_dir)), head=str(shipped))
+    proposer = build_proposer(ProposerSpec("medusa", head=str(shipped)), load_target(str(target_dir)))
     assert proposer.head_accuracy == config["tree"]["acceptance"]
 
 
@@ -138,9 +138,11 @@ def test_medusa2_lora_keeps_base_weights_and_merges(tiny, tmp_path):
     torch.testing.assert_close(output.logits, expected, atol=1e-4, rtol=1e-4)
 
 
-def _train_command(tiny, output_dir, steps, extra):
+def _train_command(tiny, output_dir, steps, extra, as_module=False):
+    """``python training/train.py ...``, or with ``as_module`` ``python -m training.train ...``."""
     target, data = tiny
-    return [sys.executable, str(ROOT / "training" / "train.py"),
+    entry = ["-m", "training.train"] if as_module else [str(ROOT / "training" / "train.py")]
+    return [sys.executable, *entry,
             *tiny_overrides(target, data, output_dir, "eagle", steps, ["eval.at_start=false", *extra])]
 
 
@@ -153,8 +155,8 @@ def _env():
 
 def test_resume_after_kill_continues_exactly(tiny, tmp_path):
     extra = ["checkpoint.every=2", "trainer.lr=3e-3"]
-    reference = tmp_path / "reference"
-    subprocess.run(_train_command(tiny, reference, 8, extra), check=True, env=_env(), cwd=ROOT,
+    reference = tmp_path / "reference"  # trained with `python -m training.train`, the others with the script
+    subprocess.run(_train_command(tiny, reference, 8, extra, as_module=True), check=True, env=_env(), cwd=ROOT,
                    capture_output=True)
     killed = tmp_path / "killed"
     # Slow the killed run's steps down (eval every step) so it is reliably killed mid-run, after a checkpoint.
@@ -204,18 +206,14 @@ def test_two_process_torchrun_matches_one_process(tiny, tmp_path, zero):
 
 
 def test_self_distillation_regenerates_replies_and_resumes(tiny, tmp_path):
-    import importlib.util
-
     from training.data import normalize_conversation, read_records
+    from training.selfdistill import self_distill
 
-    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "scripts" / "prepare_data.py")
-    prepare_data = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prepare_data)
     target, data = tiny
     out = tmp_path / "sd.jsonl"
-    overrides = ["target=hf", f"target.name={target}", "data=json", f"data.path={data}", "data.max_samples=4",
-                 "data.val_samples=1"]
-    prepare_data.self_distill(out, 16, 2, 1, overrides)
+    conf = compose_config(["target=hf", f"target.name={target}", "data=json", f"data.path={data}",
+                           "data.max_samples=4", "data.val_samples=1"])
+    assert self_distill(conf, out, 16, 2, 1) == out
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["id"] for r in records) == [0, 1, 2, 3, 4]
     originals = [json.loads(line) for line in Path(data).read_text().splitlines()[:5]]
@@ -224,14 +222,14 @@ def test_self_distillation_regenerates_replies_and_resumes(tiny, tmp_path):
         assert messages[0]["content"] == original["conversations"][0]["value"]  # the prompt is kept
         assert messages[-1]["role"] == "assistant"
     lines_before = out.read_text()
-    prepare_data.self_distill(out, 16, 2, 1, overrides)  # everything is done: nothing is appended
+    self_distill(conf, out, 16, 2, 1)  # everything is done: nothing is appended
     assert out.read_text() == lines_before
     assert len(list(read_records("json", str(out), "train", None))) == 5
 
 
 def test_self_distillation_prompts_keep_their_end(tiny):
     from runtime.target import load_target
-    from scripts.prepare_data import encode_prompts
+    from training.selfdistill import encode_prompts
 
     tokenizer = load_target(str(tiny[0])).tokenizer
     short, long = "the sea", " ".join(["a long question about the sea"] * 8) + " assistant:"

@@ -49,7 +49,7 @@ def test_bad_order_is_refused():
         raise AssertionError("a child before its parent must be refused")
 
 
-def test_trie_from_sequences_merges_prefixes_and_respects_budget():
+def test_trie_from_sequences_merges_prefixes_and_respects_the_tree_size():
     tree = Tree.from_sequences(7, [[1, 2, 3], [1, 2, 4], [5]], max_nodes=10)
     assert tree.tokens.tolist() == [7, 1, 2, 3, 4, 5]
     assert tree.parents.tolist() == [-1, 0, 1, 2, 2, 0]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -18,7 +18,7 @@ CONFIG_NAME = "train"
 
 @dataclass
 class HeadConf:
-    type: str = MISSING
+    head_type: str = MISSING  # the heads.registry name; set by the head group (head=eagle|eagle3|medusa)
     lr: float = 1e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     weight_decay: float = 0.0
@@ -29,7 +29,7 @@ class HeadConf:
 class EagleHeadConf(HeadConf):
     """EAGLE-1/2: SmoothL1 on the next feature (feature_weight) + soft CE on the target's distribution (ce_weight)."""
 
-    type: str = "eagle"
+    head_type: str = "eagle"
     num_layers: int = 1
     feature_weight: float = 1.0
     ce_weight: float = 0.1
@@ -40,7 +40,7 @@ class EagleHeadConf(HeadConf):
 class Eagle3HeadConf(HeadConf):
     """EAGLE-3: fused low/mid/high features, draft vocabulary, training-time test over ttt_steps unrolled steps."""
 
-    type: str = "eagle3"
+    head_type: str = "eagle3"
     feature_layers: list[int] = field(default_factory=list)  # empty: inputs of layers 2, N//2, N-3
     draft_vocab_size: int = 8192  # 0: the target's whole vocabulary
     ttt_steps: int = 7
@@ -62,7 +62,7 @@ class LoraConf:
 
 @dataclass
 class MedusaHeadConf(HeadConf):
-    type: str = "medusa"
+    head_type: str = "medusa"
     num_heads: int = 4
     num_layers: int = 1
     shared_lm_head: bool = True
@@ -73,7 +73,7 @@ class MedusaHeadConf(HeadConf):
 
 @dataclass
 class TargetConf:
-    name: Optional[str] = "smollm2-135m"  # alias, HF id, local directory or .gguf file
+    name: str | None = "smollm2-135m"  # alias, HF id, local directory or .gguf file
     dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     trust_remote_code: bool = False
 
@@ -81,14 +81,14 @@ class TargetConf:
 @dataclass
 class DataConf:
     source: str = "sharegpt"  # sharegpt | json | hf
-    path: Optional[str] = None  # json: file; hf: dataset id; sharegpt: another copy of the file (default: packaged)
+    path: str | None = None  # json: file; hf: dataset id; sharegpt: another copy of the file (default: packaged)
     split: str = "train"
-    subset: Optional[str] = None
-    max_samples: Optional[int] = None  # training conversations (null: all)
+    subset: str | None = None
+    max_samples: int | None = None  # training conversations (null: all)
     val_samples: int = 32  # held-out conversations for evaluation
     max_length: int = 512
     min_assistant_tokens: int = 2
-    chat_template: Optional[str] = None  # null: the tokenizer's; "chatml"; or a Jinja string
+    chat_template: str | None = None  # null: the tokenizer's; "chatml"; or a Jinja string
     seed: int = 0
     cache: bool = True
 
@@ -96,7 +96,7 @@ class DataConf:
 @dataclass
 class FeaturesConf:
     mode: str = "online"  # online: frozen target forward inside each step; offline: read dumped features
-    dir: Optional[str] = None  # offline store (default: the cache directory, keyed by target + data + layers)
+    dir: str | None = None  # offline store (default: the cache directory, keyed by target + data + layers)
     topk: int = 0  # offline: store the target's top-k log-probs (0: recompute exact logits from the stored hidden)
     dtype: str = "float32"  # storage dtype of offline hidden states
     batch_size: int = 8  # extraction batch
@@ -114,22 +114,22 @@ class TrackerConf:
     kind: str = "wandb"  # wandb | disabled
     mode: str = "offline"
     project: str = "headstart"
-    name: Optional[str] = None
+    name: str | None = None
 
 
 @dataclass
 class TrainerConf:
     max_steps: int = 1000  # optimizer steps; the learning-rate schedule spans them
-    stop_after: Optional[int] = None  # end the run (final evaluation, head) after this many steps, schedule unchanged
+    stop_after: int | None = None  # end the run (final evaluation, head) after this many steps, schedule unchanged
     micro_batch_size: int = 4  # per process
     grad_accum: int = 1
-    lr: Optional[float] = None  # null: the head's default
+    lr: float | None = None  # null: the head's default
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # cosine decay ends at lr * min_lr_ratio
     seed: int = 0
     device: str = "auto"  # auto: cuda:LOCAL_RANK when available, else cpu
     precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    threads: Optional[int] = None  # torch CPU threads per process
+    threads: int | None = None  # torch CPU threads per process
     progress: bool = True
 
 
@@ -159,9 +159,9 @@ class TrainConfig:
     trainer: TrainerConf = field(default_factory=TrainerConf)
     eval: EvalConf = field(default_factory=EvalConf)
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
-    output_dir: str = "runs/${head.type}"
+    output_dir: str = "runs/${head.head_type}"
     resume: bool = False
-    init_from: Optional[str] = None  # a head directory whose weights start this run (continue training a head)
+    init_from: str | None = None  # a head directory whose weights start this run (continue training a head)
 
 
 def register_configs() -> None:
@@ -199,9 +199,12 @@ def to_typed(config) -> TrainConfig:
 
 def validate(config: TrainConfig) -> None:
     """Value checks Hydra's types cannot express; each error names the key and the fix."""
+    from heads.registry import HEAD_TYPES
+
     problems = []
-    if config.head.type not in ("eagle", "eagle3", "medusa"):
-        problems.append(f"head.type={config.head.type!r}: choose head=eagle, head=eagle3 or head=medusa")
+    if config.head.head_type not in HEAD_TYPES:
+        problems.append(f"head.head_type={config.head.head_type!r}: choose one of "
+                        + ", ".join(f"head={name}" for name in HEAD_TYPES))
     if config.features.mode not in ("online", "offline"):
         problems.append(f"features.mode={config.features.mode!r}: choose online or offline")
     if config.deepspeed.stage not in (0, 1, 2, 3):

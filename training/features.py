@@ -6,7 +6,8 @@ A feature batch adds to a token batch:
   topk_logprobs / topk_ids [B, T, k]: offline stores with ``topk > 0`` keep the target's top-k instead of letting
   the loss recompute exact logits from ``hidden``.
 The offline store is sharded safetensors, one shard per ``SHARD_SIZE`` training samples, written atomically and
-skipped when present (extraction resumes after a kill); a manifest marks the store complete.
+skipped when present (extraction resumes after a kill); a manifest marks the store complete. ``prepare_offline_store``
+finds (or fills) the store of a run's target, data and feature settings.
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from heads.common import tokenizer_fingerprint
+from runtime.assets import cache_dir
 from runtime.target import parse_dtype
+from training import engine as ds
+from training.data import cache_key
 
 SHARD_SIZE = 64
 MANIFEST = "manifest.json"
@@ -32,7 +37,8 @@ MANIFEST = "manifest.json"
 def target_features(target, input_ids: torch.Tensor, feature_layers: list[int] = (),
                     topk: int = 0) -> dict[str, torch.Tensor]:
     """One frozen target forward over right-padded ids [B, T] (causal; padding never reaches real rows)."""
-    outputs = target.decoder(input_ids=input_ids, use_cache=False, output_hidden_states=bool(feature_layers))
+    decoder = target.model.get_decoder()  # the stock transformers model: no cache, causal attention
+    outputs = decoder(input_ids=input_ids, use_cache=False, output_hidden_states=bool(feature_layers))
     features = {"hidden": outputs.last_hidden_state}
     if feature_layers:
         features["layer_hidden"] = torch.cat([outputs.hidden_states[i] for i in feature_layers], dim=-1)
@@ -140,3 +146,22 @@ class OfflineFeatures:
                 padded = padded.to(dtype)
             out[name] = padded.to(device)
         return out
+
+
+def prepare_offline_store(conf, target, train_split, feature_layers: list[int], pad_id: int, dist: ds.Dist) -> Path:
+    """The offline feature store for this target + data + features config, extracting it first when incomplete
+    (every rank extracts its share of shards; extraction resumes where a killed one stopped)."""
+    tokenizer = target.tokenizer
+    data_key = cache_key(conf.data, tokenizer)
+    key = store_key(target.identity, tokenizer_fingerprint(tokenizer), data_key, feature_layers, conf.features.topk,
+                    conf.features.dtype, conf.data.max_length)
+    store = Path(conf.features.dir) if conf.features.dir else cache_dir() / "features" / key
+    if not store_complete(store):
+        extract_offline(target, train_split, store, feature_layers, conf.features.topk, conf.features.dtype,
+                        conf.features.batch_size, pad_id, dist.rank, dist.world, conf.trainer.progress)
+        ds.barrier()
+        if dist.is_main:
+            write_manifest(store, len(train_split), {"target": target.identity, "feature_layers": feature_layers,
+                                                      "topk": conf.features.topk, "data": data_key})
+        ds.barrier()
+    return store

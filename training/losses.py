@@ -28,12 +28,6 @@ def feature_regression_loss(predicted: torch.Tensor, target: torch.Tensor) -> to
     return F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(-1)
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values`` where ``mask`` is true (0 when nothing is). Same shapes."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp_min(1.0)
-
-
 def decay_weights(count: int, decay: float) -> list[float]:
     """Per-step (EAGLE-3 training-time test) or per-head (Medusa) loss weights: decay**k for k = 0..count-1."""
     return [decay ** k for k in range(count)]

@@ -52,6 +52,3 @@ class ChainCache:
         else:
             self.keys[layer_idx], self.values[layer_idx] = key_states, value_states
         return self.keys[layer_idx], self.values[layer_idx]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if layer_idx not in self.keys else self.keys[layer_idx].shape[2]

@@ -82,16 +82,16 @@ class HeadObjective(nn.Module):
         super().__init__()
         self.head = head
         self.conf = head_conf
-        self.kind = head_conf.type
+        self.head_type = head.head_type
         self.softcap = softcap
         self.pad_id = pad_id
         self.register_buffer("target_lm_head_weight", target_lm_head_weight.detach(), persistent=False)
         self.lora_target = lora_target  # Medusa-2: a peft-wrapped target whose adapters train
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
-        if self.kind == "eagle":
+        if self.head_type == "eagle":
             return self.eagle_loss(batch)
-        if self.kind == "eagle3":
+        if self.head_type == "eagle3":
             return self.eagle3_loss(batch)
         return self.medusa_loss(batch)
 

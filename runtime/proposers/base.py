@@ -22,13 +22,13 @@ class ProposeInput:
     history [L] long: prompt + emitted tokens; history[-1] is the root of the next tree (not yet verified).
     new_hidden [A, H] or None: target hidden states (after the final norm) of the positions verified since the
     previous proposal, i.e. of history[L - 1 - A : L - 1]; new_layer_hidden: the same for requested layers.
-    budget: the largest tree (nodes, root included) the verifier wants.
+    tree_size: the largest tree (nodes, root included) the verifier wants.
     """
 
     history: torch.Tensor
     new_hidden: torch.Tensor | None
     new_layer_hidden: tuple[torch.Tensor, ...]
-    budget: int
+    tree_size: int
     sampling: SamplingParams
     generator: torch.Generator | None
 
@@ -38,13 +38,13 @@ class Proposer(Protocol):
     hidden_layers: tuple[int, ...]  # target layers whose inputs the proposer needs (EAGLE-3); () for none
     needs_hidden: bool  # whether the decoder should hand over target hidden states
     expected_acceptance: float  # prior per-token acceptance rate, used to size trees from the cost curve
-    tree_tokens: int | None  # a measured verified-tree size (scripts/tune_tree.py); None: the cost model decides
+    tree_size: int | None  # a measured verified-tree size (scripts/tune_tree.py); None: the cost model decides
 
     def start(self, prompt: torch.Tensor, max_length: int) -> Any:
         """Per-generation state for a prompt [P] and a total length bound."""
 
     def propose(self, state: Any, step: ProposeInput) -> Tree:
-        """A tree rooted at step.history[-1], at most step.budget nodes."""
+        """A tree rooted at step.history[-1], at most step.tree_size nodes."""
 
 
 class NoProposer:
@@ -54,7 +54,7 @@ class NoProposer:
     hidden_layers: tuple[int, ...] = ()
     needs_hidden = False
     expected_acceptance = 0.0
-    tree_tokens = 1
+    tree_size = 1
 
     def start(self, prompt: torch.Tensor, max_length: int) -> None:
         return None

@@ -41,7 +41,7 @@ class DraftModelProposer:
     hidden_layers: tuple[int, ...] = ()
     needs_hidden = False
     expected_acceptance = 0.7
-    tree_tokens: int | None = None
+    tree_size: int | None = None
 
     def __init__(self, draft: Target, target: Target, mode: str = "tree", depth: int = 5, top_k: int = 4):
         if mode not in ("tree", "chain"):
@@ -64,7 +64,7 @@ class DraftModelProposer:
         done = cache.max_committed
         positions = torch.arange(done, context, device=history.device)
         root_logits = self._forward(cache, history[done:], positions, None)[-1]
-        depth = min(self.depth, step.budget - 1)
+        depth = min(self.depth, step.tree_size - 1)
         root = int(history[-1])
         if depth <= 0:
             tree = Tree.chain(root, [], device=history.device)
@@ -76,7 +76,7 @@ class DraftModelProposer:
                 return torch.log_softmax(logits, dim=-1)
 
             tree = build_dynamic_tree(root, torch.log_softmax(root_logits, -1), context, forward_frontier, depth,
-                                      self.top_k, step.budget)
+                                      self.top_k, step.tree_size)
         cache.crop(context)  # drafted entries are never reused; accepted ones are re-fed with the next context
         return tree
 

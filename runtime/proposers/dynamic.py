@@ -6,14 +6,14 @@ the whole context, then the slots of the node's forwarded ancestors and its own 
 
 Only frontier nodes whose children could still be kept are forwarded. A child of the frontier node ranked r at
 depth d scores no higher than that node, its d - 1 ancestors and the r - 1 frontier nodes ranked above it, so it
-is among the best ``budget - 1`` nodes only if d + r <= budget - 1. Forwarding the best ``budget - 1 - d`` frontier
-nodes instead of all ``top_k`` gives the same tree (up to ties in score) for less drafting: with the 4-node trees of
-a CPU, 2 rows instead of 8 at depth 1.
+is among the best ``tree_size - 1`` nodes only if d + r <= tree_size - 1. Forwarding the best
+``tree_size - 1 - d`` frontier nodes instead of all ``top_k`` gives the same tree (up to ties in score) for less
+drafting: with 4-node trees, 2 rows instead of 8 at depth 1.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -25,10 +25,10 @@ ForwardFrontier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tens
 
 
 def build_dynamic_tree(root_token: int, root_logprobs: torch.Tensor, context_len: int,
-                       forward_frontier: ForwardFrontier, depth: int, top_k: int, budget: int,
+                       forward_frontier: ForwardFrontier, depth: int, top_k: int, tree_size: int,
                        token_map: torch.Tensor | None = None) -> Tree:
     """Expand ``depth`` levels keeping the global top-k frontier by cumulative log-probability, then keep the best
-    ``budget - 1`` nodes of all levels (parent-before-child). root_logprobs [V']; the root's children sit at
+    ``tree_size - 1`` nodes of all levels (parent-before-child). root_logprobs [V']; the root's children sit at
     position ``context_len``. ``token_map`` [V'] maps a drafter's reduced vocabulary to target ids (EAGLE-3).
     """
     device = root_logprobs.device
@@ -44,7 +44,7 @@ def build_dynamic_tree(root_token: int, root_logprobs: torch.Tensor, context_len
     ancestors = torch.zeros(max_nodes, max_nodes, dtype=torch.bool, device=device)  # [node, forwarded slot]
     slots_used = 0
     for level in range(1, depth):
-        frontier = frontier[: budget - 1 - level]  # best first: topk and select_frontier both sort
+        frontier = frontier[: tree_size - 1 - level]  # best first: topk and select_frontier both sort
         if frontier.numel() == 0:
             break
         all_tokens = torch.cat(node_tokens)
@@ -72,7 +72,7 @@ def build_dynamic_tree(root_token: int, root_logprobs: torch.Tensor, context_len
         frontier = torch.arange(first_new, first_new + child_tokens.numel(), device=device)
     all_tokens = torch.cat(node_tokens)
     all_parents = torch.cat(node_parents)
-    keep = keep_best_nodes(torch.cat(node_scores), all_parents, budget - 1)
+    keep = keep_best_nodes(torch.cat(node_scores), all_parents, tree_size - 1)
     new_index = torch.full((all_tokens.numel() + 1,), -1, dtype=torch.long, device=device)
     new_index[keep] = torch.arange(1, keep.numel() + 1, device=device)
     kept_parents = all_parents[keep]

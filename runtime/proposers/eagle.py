@@ -31,17 +31,18 @@ def causal_rows_mask(done: int, count: int, device) -> torch.Tensor:
 
 
 class EagleProposer:
-    """``head``: an EagleHead (kind "eagle" or "eagle3") attached to the target's weights."""
+    """``head``: an EAGLE-family head (``heads.eagle.FeatureHead``: EAGLE-1/2 or EAGLE-3) attached to the target's
+    weights."""
 
     needs_hidden = True
 
     def __init__(self, head, target, depth: int = 6, top_k: int = 8, expected_acceptance: float = 0.6,
-                 tree_tokens: int | None = None):
+                 tree_size: int | None = None):
         self.head, self.target = head, target
-        self.tree_tokens = tree_tokens
+        self.tree_size = tree_size
         self.depth, self.top_k = depth, top_k
-        self.name = head.kind
-        self.hidden_layers = tuple(head.feature_layers) if head.kind == "eagle3" else ()
+        self.name = head.head_type
+        self.hidden_layers = tuple(head.feature_layers)
         self.expected_acceptance = expected_acceptance
         self.token_map = head.draft_to_target
 
@@ -49,16 +50,11 @@ class EagleProposer:
         config = self.head.target_config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        layers = len(self.head.layers) if self.head.kind == "eagle" else 1
         dtype = self.head.fc.weight.dtype
         device = self.head.fc.weight.device
-        cache = KVCache(layers, 1, kv_heads, head_dim, max_length + self.depth * self.top_k + 1, dtype, device)
+        cache = KVCache(self.head.cache_layers, 1, kv_heads, head_dim, max_length + self.depth * self.top_k + 1, dtype,
+                        device)
         return EagleState(cache, torch.zeros(self.depth * self.top_k, config.hidden_size, dtype=dtype, device=device))
-
-    def _features(self, step: ProposeInput) -> torch.Tensor:
-        if self.head.kind == "eagle3":
-            return torch.cat(step.new_layer_hidden, dim=-1)
-        return step.new_hidden
 
     def _read_verified_rows(self, state: EagleState, step: ProposeInput) -> torch.Tensor:
         """Run the head over the rows verified since it last drafted and keep them in its cache. Returns the
@@ -66,7 +62,7 @@ class EagleProposer:
         history, cache, head = step.history, state.cache, self.head
         context = history.numel()
         done = cache.max_committed
-        features = self._features(step).to(head.fc.weight.dtype)
+        features = head.select_features(step.new_hidden, step.new_layer_hidden).to(head.fc.weight.dtype)
         count = features.shape[0]
         if done + count != context - 1:
             raise RuntimeError(f"EAGLE head has {done} rows and got {count} new features for a history of {context}")
@@ -82,7 +78,7 @@ class EagleProposer:
         history, cache, head = step.history, state.cache, self.head
         context = history.numel()
         root_hidden = self._read_verified_rows(state, step)  # only the newest row drafts: one row through the LM head
-        depth = min(self.depth, step.budget - 1)
+        depth = min(self.depth, step.tree_size - 1)
         root = int(history[-1])
         if depth <= 0:
             return Tree.chain(root, [], device=history.device)
@@ -98,6 +94,6 @@ class EagleProposer:
 
         root_logprobs = torch.log_softmax(head.logits(root_hidden).float(), dim=-1)
         tree = build_dynamic_tree(root, root_logprobs, cache.max_committed, forward_frontier, depth, self.top_k,
-                                  step.budget, self.token_map)
+                                  step.tree_size, self.token_map)
         cache.crop(context - 1)
         return tree

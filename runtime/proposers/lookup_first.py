@@ -42,7 +42,7 @@ def _with_pending(state: LookupFirstState, step: ProposeInput) -> ProposeInput:
     hidden = None if step.new_hidden is None else torch.cat([*state.hidden, step.new_hidden])
     layer_hidden = tuple(torch.cat(parts) for parts in zip(*state.layer_hidden, step.new_layer_hidden))
     state.hidden, state.layer_hidden = [], []
-    return ProposeInput(step.history, hidden, layer_hidden, step.budget, step.sampling, step.generator)
+    return ProposeInput(step.history, hidden, layer_hidden, step.tree_size, step.sampling, step.generator)
 
 
 class LookupFirstProposer:
@@ -57,7 +57,7 @@ class LookupFirstProposer:
         # Without a measured tree size the cost model sizes the tree; it has to hold lookup's chains as well as the
         # head's guesses, so it is sized for the better of the two drafters.
         self.expected_acceptance = max(head.expected_acceptance, self.lookup.expected_acceptance)
-        self.tree_tokens = head.tree_tokens
+        self.tree_size = head.tree_size
 
     def start(self, prompt: torch.Tensor, max_length: int) -> LookupFirstState:
         return LookupFirstState(self.head.start(prompt, max_length))

@@ -10,9 +10,9 @@ from runtime.proposers.base import ProposeInput
 from runtime.tree import Tree
 
 
-def calibrated_choices(head_accuracy: list[float], budget: int, top_k: int = 10,
+def calibrated_choices(head_accuracy: list[float], tree_size: int, top_k: int = 10,
                        rank_decay: float = 0.5) -> list[tuple[int, ...]]:
-    """The ``budget - 1`` rank paths with the highest estimated acceptance probability.
+    """The ``tree_size - 1`` rank paths with the highest estimated acceptance probability.
 
     A path (r_1, ..., r_d) is accepted with probability prod_i head_accuracy[i-1] * rank_decay ** r_i (top-1
     accuracy of head i, discounted for lower ranks); best-first search keeps the set ancestor-closed.
@@ -22,7 +22,7 @@ def calibrated_choices(head_accuracy: list[float], budget: int, top_k: int = 10,
 
     chosen: list[tuple[int, ...]] = []
     frontier = [(-probability(0, 0), (0,))]
-    while frontier and len(chosen) < budget - 1:
+    while frontier and len(chosen) < tree_size - 1:
         negative, path = heapq.heappop(frontier)
         chosen.append(path)
         score = -negative
@@ -38,17 +38,17 @@ def calibrated_choices(head_accuracy: list[float], budget: int, top_k: int = 10,
 
 class MedusaProposer:
     """``heads``: MedusaHeads attached to the target's weights. ``choices`` fixes the tree; by default it is
-    calibrated from ``head_accuracy`` (per-head top-1 acceptance, e.g. measured during training) and the budget.
-    ``tree_tokens``: a measured verified-tree size (None: the cost model sizes it from ``head_accuracy[0]``)."""
+    calibrated from ``head_accuracy`` (per-head top-1 acceptance, e.g. measured during training) and the tree_size.
+    ``tree_size``: a measured verified-tree size (None: the cost model sizes it from ``head_accuracy[0]``)."""
 
     name = "medusa"
     hidden_layers: tuple[int, ...] = ()
     needs_hidden = True
 
     def __init__(self, heads, choices: list[tuple[int, ...]] | None = None, head_accuracy: list[float] | None = None,
-                 top_k: int = 10, tree_tokens: int | None = None):
+                 top_k: int = 10, tree_size: int | None = None):
         self.heads = heads
-        self.tree_tokens = tree_tokens
+        self.tree_size = tree_size
         self.top_k = top_k
         self.choices = [tuple(c) for c in choices] if choices is not None else None
         self.head_accuracy = head_accuracy or [0.6 * 0.8 ** i for i in range(heads.num_heads)]
@@ -60,12 +60,12 @@ class MedusaProposer:
     @torch.inference_mode()
     def propose(self, state: None, step: ProposeInput) -> Tree:
         root = int(step.history[-1])
-        if step.budget <= 1:  # the decoder verifies the root alone (plain decoding): nothing to draft
+        if step.tree_size <= 1:  # the decoder verifies the root alone (plain decoding): nothing to draft
             return Tree.chain(root, [], device=step.history.device)
-        choices = self.choices or calibrated_choices(self.head_accuracy, step.budget, self.top_k)
-        if len(choices) >= step.budget:
-            raise ValueError(f"{len(choices)} Medusa choices need a tree budget of at least {len(choices) + 1} "
-                             f"nodes; pass tree_tokens={len(choices) + 1}")
+        choices = self.choices or calibrated_choices(self.head_accuracy, step.tree_size, self.top_k)
+        if len(choices) >= step.tree_size:
+            raise ValueError(f"{len(choices)} Medusa choices need a tree tree_size of at least {len(choices) + 1} "
+                             f"nodes; pass tree_size={len(choices) + 1}")
         depth = max(len(c) for c in choices)
         last_hidden = step.new_hidden[-1]
         logits = self.heads.first_heads_logits(last_hidden, depth)  # [D, V]

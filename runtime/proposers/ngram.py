@@ -48,14 +48,14 @@ class NgramProposer:
     hidden_layers: tuple[int, ...] = ()
     needs_hidden: bool = False
     expected_acceptance: float = 0.45
-    tree_tokens: int | None = None
+    tree_size: int | None = None
 
     def start(self, prompt: torch.Tensor, max_length: int) -> None:
         return None
 
     def propose(self, state: None, step: ProposeInput) -> Tree:
         history = step.history.cpu().numpy()
-        depth = min(self.max_depth, step.budget - 1)
+        depth = min(self.max_depth, step.tree_size - 1)
         sequences = find_continuations(history, self.max_ngram, self.min_ngram, self.max_matches, depth) \
             if depth > 0 else []
-        return Tree.from_sequences(int(history[-1]), sequences, step.budget, device=step.history.device)
+        return Tree.from_sequences(int(history[-1]), sequences, step.tree_size, device=step.history.device)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import warnings
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -81,7 +81,8 @@ def decode_attention() -> Callable[..., torch.Tensor] | None:
 
 @functools.cache
 def rms_norm_rows() -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None:
-    """(x [..., H] bf16 contiguous, weight [H] bf16, eps) -> ``weight * bf16(x * rsqrt(mean(x^2) + eps))`` bf16, or None.
+    """(x [..., H] bf16 contiguous, weight [H] bf16, eps) -> ``weight * bf16(x * rsqrt(mean(x^2) + eps))`` bf16, or
+    None.
 
     The reference it is tested against is transformers' LlamaRMSNorm: the same operations, the sum of squares in
     another order.

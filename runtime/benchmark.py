@@ -1,0 +1,506 @@
+"""Side-by-side decoding benchmark: HF generate baselines and our proposers on the same prompts, in one process.
+
+Methods are typed values: ``HFBaseline`` (a ``model.generate`` baseline) or ``DecoderMethod`` (a ``ProposerSpec``
+run by ``SpeculativeDecoder``), keyed by the name they are reported under. ``run_benchmark`` runs them interleaved
+per prompt (machine drift hits all alike), batch 1, after a warm-up, and reports per method: tokens/s, tau (tokens
+emitted per target forward, bonus included), speedup over HF greedy, and the fraction of outputs token-identical to
+HF greedy; ``divergence_report`` says whether each output that differs from HF greedy first differs at a near-tie.
+scripts/benchmark.py is its command line.
+
+The HF baselines run on the target's own transformers model (``target.model``, a stock model outside
+``Target.forward``) when they run in the target's dtype; another dtype loads another copy of the target, once
+(``HFModels``).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from runtime.proposers.spec import ProposerSpec
+
+HF_METHODS = ("hf-greedy", "hf-pld", "hf-assisted", "hf-early-exit")
+BASELINE = "hf-greedy"  # the name of the method every ratio refers to and every output is compared with
+PLD_TOKENS = 10  # prompt_lookup_num_tokens of hf-pld
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """``float32`` / ``bfloat16`` / ``float16`` for any spelling ``runtime.target.parse_dtype`` accepts."""
+    from runtime.target import parse_dtype
+
+    return str(parse_dtype(dtype)).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class HFBaseline:
+    """A transformers ``generate`` baseline on the target.
+
+    ``method``: ``hf-greedy`` (plain decoding), ``hf-pld`` (prompt lookup decoding), ``hf-assisted`` (assisted
+    generation drafting with ``draft_model``, a smaller model with the target's tokenizer) or ``hf-early-exit``
+    (assisted generation drafting with the target's first ``early_exit_layers`` layers under its final norm and LM
+    head; None: a quarter of them). ``dtype``: the dtype of the target copy it runs on (None: the target's own), e.g.
+    ``bfloat16``: on CPUs where one bf16 token is faster than one fp32 token, that is the baseline to beat.
+    """
+
+    method: str
+    dtype: str | None = None
+    early_exit_layers: int | None = None
+    draft_model: str | None = None
+
+    def __post_init__(self):
+        if self.method not in HF_METHODS:
+            raise ValueError(f"HFBaseline.method: unknown HF baseline {self.method!r}; choose one of "
+                             f"{', '.join(HF_METHODS)}")
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        if self.early_exit_layers is not None:
+            if self.method != "hf-early-exit":
+                raise ValueError(f"HFBaseline.early_exit_layers is for method='hf-early-exit', not {self.method!r}")
+            if self.early_exit_layers < 1:
+                raise ValueError(f"HFBaseline.early_exit_layers must be >= 1, got {self.early_exit_layers}")
+        if self.method == "hf-assisted" and not self.draft_model:
+            raise ValueError("HFBaseline.draft_model is required for method='hf-assisted' (a smaller model with the "
+                             "target's tokenizer)")
+        if self.draft_model is not None and self.method != "hf-assisted":
+            raise ValueError(f"HFBaseline.draft_model is for method='hf-assisted', not {self.method!r}")
+
+
+@dataclass(frozen=True)
+class DecoderMethod:
+    """Our decoder with the proposer ``proposer``; ``tree_size`` fixes its verified tree size (None: the
+    benchmark's ``tree_size``, else the cost model's choice)."""
+
+    proposer: ProposerSpec
+    tree_size: int | None = None
+
+    def __post_init__(self):
+        if self.tree_size is not None and self.tree_size < 1:
+            raise ValueError(f"DecoderMethod.tree_size must be >= 1, got {self.tree_size}")
+
+
+Method = HFBaseline | DecoderMethod
+
+
+def method_to_json(method: Method) -> dict:
+    if isinstance(method, HFBaseline):
+        return {"hf": asdict(method)}
+    return {"proposer": asdict(method.proposer), "tree_size": method.tree_size}
+
+
+def method_from_json(data: dict) -> Method:
+    if "hf" in data:
+        return HFBaseline(**data["hf"])
+    return DecoderMethod(ProposerSpec(**data["proposer"]), data.get("tree_size"))
+
+
+def early_exit_layers(requested: int | None, num_layers: int) -> int:
+    """The draft depth of ``hf-early-exit``: ``requested``, checked against the target's layer count, or a quarter of
+    the layers."""
+    if requested is None:
+        return max(1, num_layers // 4)
+    if not 1 <= requested < num_layers:
+        raise ValueError(f"HFBaseline.early_exit_layers must be a layer count from 1 to {num_layers - 1} (the target "
+                         f"has {num_layers} layers), got {requested}")
+    return requested
+
+
+def check_methods(methods: dict[str, Method], num_layers: int) -> None:
+    """What can only be checked against the target: early-exit depths, the baseline in the target's dtype."""
+    for method in methods.values():
+        if isinstance(method, HFBaseline) and method.method == "hf-early-exit":
+            early_exit_layers(method.early_exit_layers, num_layers)
+    baseline = methods.get(BASELINE)
+    if not (isinstance(baseline, HFBaseline) and baseline.method == "hf-greedy"):
+        raise ValueError(f"methods[{BASELINE!r}] must be HFBaseline('hf-greedy'), got {baseline!r}")
+
+
+def default_methods(target_name: str, draft_model: str | None = None) -> dict[str, Method]:
+    """HF greedy, HF prompt lookup, our plain decoding and prompt lookup, the heads shipped for this target (each alone
+    and with prompt lookup first), and our draft-model decoding and HF assisted generation when a draft model is
+    given."""
+    from heads.shipped import find_shipped
+    from runtime.target import same_model_identities
+
+    identities = same_model_identities(target_name)
+    shipped = [kind for kind in ("eagle3", "eagle", "medusa") if find_shipped(kind, identities) is not None]
+    specs = [ProposerSpec("none"), ProposerSpec("ngram")] + [ProposerSpec(kind) for kind in shipped] + [
+        ProposerSpec(kind, lookup_first=True) for kind in shipped]
+    methods: dict[str, Method] = {"hf-greedy": HFBaseline("hf-greedy"), "hf-pld": HFBaseline("hf-pld")}
+    methods.update({spec.label: DecoderMethod(spec) for spec in specs})
+    if draft_model:
+        methods["draft"] = DecoderMethod(ProposerSpec("draft", draft_model=draft_model))
+        methods["hf-assisted"] = HFBaseline("hf-assisted", draft_model=draft_model)
+    return methods
+
+
+@dataclass
+class MethodStats:
+    tokens: int = 0
+    seconds: float = 0.0
+    draft_seconds: float = 0.0
+    forwards: int = 0
+    identical: int = 0
+    prompts: int = 0
+    per_prompt_tps: list[float] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)
+    depth_attempts: list[int] = field(default_factory=list)
+    depth_accepts: list[int] = field(default_factory=list)
+
+    def add_depths(self, attempts: list[int], accepts: list[int]) -> None:
+        for depth, (tried, taken) in enumerate(zip(attempts, accepts)):
+            if depth == len(self.depth_attempts):
+                self.depth_attempts.append(0)
+                self.depth_accepts.append(0)
+            self.depth_attempts[depth] += tried
+            self.depth_accepts[depth] += taken
+
+
+class ForwardCounter:
+    """Counts full forward calls of an HF model (to get tau for HF's own methods). An early-exit draft runs through
+    the same model with ``config.num_hidden_layers`` lowered for the call; those passes are drafts, not counted."""
+
+    def __init__(self, model):
+        self.count = 0
+        self.layers = model.config.num_hidden_layers
+        self.handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.count += module.config.num_hidden_layers == self.layers
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+class HFModels:
+    """The stock transformers models the HF baselines run on, one per dtype ({dtype: model}): the target's own model
+    in the target's dtype, a copy of the target (loaded from ``target_name``) in any other; and the draft models of
+    ``hf-assisted``, each loaded once."""
+
+    def __init__(self, target, target_name: str):
+        self.target_name = target_name
+        self.device = target.device
+        self.dtype = target.dtype
+        self.models = {target.dtype: target.model}
+        self.counters: dict[torch.dtype, ForwardCounter] = {}
+        self.assistants: dict[tuple[str, torch.dtype], object] = {}
+
+    def model(self, dtype: str | torch.dtype | None = None):
+        from runtime.target import load_target, parse_dtype
+
+        dtype = self.dtype if dtype is None else parse_dtype(dtype)
+        if dtype not in self.models:
+            self.models[dtype] = load_target(self.target_name, dtype=dtype, device=self.device,
+                                             attn_implementation="sdpa", quiet=True).model
+        return self.models[dtype]
+
+    def counter(self, dtype: str | torch.dtype | None = None) -> ForwardCounter:
+        from runtime.target import parse_dtype
+
+        key = self.dtype if dtype is None else parse_dtype(dtype)
+        if key not in self.counters:
+            self.counters[key] = ForwardCounter(self.model(key))
+        return self.counters[key]
+
+    def assistant(self, name: str, dtype: str | torch.dtype | None = None):
+        from runtime.target import load_target, parse_dtype
+
+        key = (name, self.dtype if dtype is None else parse_dtype(dtype))
+        if key not in self.assistants:
+            self.assistants[key] = load_target(name, dtype=key[1], device=self.device, attn_implementation="sdpa",
+                                               quiet=True).model
+        return self.assistants[key]
+
+    def close(self) -> None:
+        """Removes the forward counters' hooks (the target's own model stays as it was)."""
+        for counter in self.counters.values():
+            counter.remove()
+        self.counters.clear()
+
+
+def run_hf(model, counter, ids, baseline: HFBaseline, max_new_tokens, eos, temperature=0.0, seed=0, assistant=None):
+    """One ``generate`` call of ``baseline`` on ``model``: (new tokens, seconds, full target forwards, None)."""
+    extra = {"prompt_lookup_num_tokens": PLD_TOKENS} if baseline.method == "hf-pld" else {}
+    if baseline.method == "hf-assisted":
+        extra["assistant_model"] = assistant
+    if baseline.method == "hf-early-exit":
+        extra["assistant_early_exit"] = early_exit_layers(baseline.early_exit_layers,
+                                                          model.config.num_hidden_layers)
+    if temperature > 0:  # plain temperature sampling, as our decoder does (no top-k/top-p from generation_config)
+        extra.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        torch.manual_seed(seed)
+    else:
+        extra.update(do_sample=False)
+    before = counter.count
+    started = time.perf_counter()
+    out = model.generate(ids[None].to(model.device), max_new_tokens=max_new_tokens, eos_token_id=eos,
+                         pad_token_id=eos[0], **extra)
+    seconds = time.perf_counter() - started
+    return out[0, ids.numel():].tolist(), seconds, counter.count - before, None
+
+
+def run_ours(decoder, ids, max_new_tokens, temperature, seed):
+    """One ``decoder.generate`` call: (new tokens, seconds, target forwards, the GenerationResult)."""
+    result = decoder.generate(ids.to(decoder.target.device), max_new_tokens, temperature=temperature, seed=seed)
+    return result.tokens, result.seconds, result.target_forwards, result
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first position where two token lists differ (None when equal)."""
+    for index, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def rounding_step(value: torch.Tensor) -> float:
+    """The spacing of ``value``'s dtype at its magnitude: the smallest change rounding can make to it."""
+    magnitude = value.abs()
+    return float(torch.nextafter(magnitude, torch.full_like(magnitude, float("inf"))) - magnitude)
+
+
+@torch.inference_mode()
+def divergence_report(records, encoded, models: dict, reference, baseline) -> dict:
+    """For each output that differs from HF greedy: is the first divergence a near-tie?
+
+    ``models`` maps each method to the model it ran, ``baseline`` is the model HF greedy ran, ``reference`` a float32
+    copy. At the first differing position both tokens are scored by one plain forward of each. It is a near-tie
+    when rounding alone can reorder the two tokens: their float32 logits differ by at most twice the largest
+    low-precision rounding error of those logits, or a low-precision run's own logits for them are at most one
+    rounding step apart. ``fp32_picks_ours``: float32 prefers the method's token, so HF's run is the one that
+    rounding moved (one plain forward underestimates the error of a run that built its cache token by token).
+    """
+    report = {}
+    for name, model in models.items():
+        cases = []
+        for record, ids in zip(records, encoded):
+            ours, base = record["outputs"][name], record["outputs"][BASELINE]
+            index = first_divergence(ours, base)
+            if index is None or index >= min(len(ours), len(base)):
+                continue
+            prefix = torch.cat([ids, torch.tensor(base[:index], dtype=ids.dtype)])[None]
+            high = reference(prefix.to(reference.device)).logits[0, -1].float().cpu()
+            runs = [run(prefix.to(run.device)).logits[0, -1].cpu() for run in {id(m): m for m in (model, baseline)}
+                    .values() if run is not reference]
+            a, b = ours[index], base[index]
+            error = max([abs(float(run[t].float() - high[t])) for run in runs for t in (a, b)], default=0.0)
+            gap32 = abs(float(high[a] - high[b]))
+            low_gaps = [(abs(float(run[a].float() - run[b].float())), rounding_step(run[b])) for run in runs]
+            top2 = (runs[0] if runs else high).float().topk(2).values
+            cases.append({"id": record["id"], "position": index, "ours": a, "hf": b, "fp32_gap": gap32,
+                          "rounding_error": error, "top2_gap": float(top2[0] - top2[1]),
+                          "low_precision_gap": min((gap for gap, _ in low_gaps), default=None),
+                          "near_tie": gap32 <= 2 * error or any(gap <= step for gap, step in low_gaps),
+                          "fp32_picks_ours": bool(high[a] > high[b])})
+        if cases:
+            report[name] = {"divergent": len(cases), "near_ties": sum(c["near_tie"] for c in cases),
+                            "unexplained": sum(not (c["near_tie"] or c["fp32_picks_ours"]) for c in cases),
+                            "max_fp32_gap": max(c["fp32_gap"] for c in cases), "cases": cases}
+    return report
+
+
+def describe_divergences(report: dict) -> list[str]:
+    """One line per method of a ``divergence_report``."""
+    return [f"{name}: {row['divergent']} outputs differ from HF greedy, {row['near_ties']} of them at a near-tie, "
+            f"{row['unexplained']} neither a near-tie nor float32's choice (largest float32 logit gap "
+            f"{row['max_fp32_gap']:.4f})" for name, row in report.items()]
+
+
+def markdown_table(summary: dict) -> str:
+    fastest = any("speedup_vs_fastest_hf_greedy" in row for row in summary.values())
+    lines = ["| method | tokens/s | tau | speedup vs HF generate | " + ("vs fastest HF greedy | " if fastest else "")
+             + "identical to HF greedy |", "|---|---:|---:|---:|" + ("---:|" if fastest else "") + "---:|"]
+    for name, row in summary.items():
+        identical = "n/a" if row["identical"] is None else f"{row['identical']:.0%}"
+        versus_fastest = f"{row['speedup_vs_fastest_hf_greedy']:.2f}x | " if fastest else ""
+        lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {row['tau']:.2f} | {row['speedup']:.2f}x | "
+                     f"{versus_fastest}{identical} |")
+    return "\n".join(lines)
+
+
+def plot_histograms(stats: dict[str, MethodStats], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = {name: s for name, s in stats.items() if s.accept_lengths}
+    if not shown:
+        return
+    fig, axes = plt.subplots(1, len(shown), figsize=(4 * len(shown), 3), squeeze=False)
+    for axis, (name, s) in zip(axes[0], shown.items()):
+        top = max(s.accept_lengths)
+        axis.hist(s.accept_lengths, bins=range(1, top + 2), align="left", rwidth=0.8)
+        axis.set_title(f"{name} (tau {statistics.mean(s.accept_lengths):.2f})")
+        axis.set_xlabel("tokens per target forward")
+        axis.set_ylabel("passes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summarize(stats: dict[str, MethodStats], methods: dict[str, Method], decoders: dict, temperature: float) -> dict:
+    """Per-method rates and ratios over the prompts run so far.
+
+    ``speedup`` is over ``hf-greedy``; when HF greedy also ran in another dtype (``HFBaseline('hf-greedy',
+    'bfloat16')``), every row also gets ``speedup_vs_fastest_hf_greedy``, over whichever HF greedy run was faster.
+    """
+    rate = {name: s.tokens / s.seconds for name, s in stats.items()}
+    hf = {name for name, method in methods.items() if isinstance(method, HFBaseline)}
+    greedy = [name for name in hf if methods[name].method == "hf-greedy"]
+    base, fastest = rate[BASELINE], max(rate[name] for name in greedy)
+    summary = {}
+    for name, s in stats.items():
+        tps = rate[name]
+        summary[name] = {
+            "tokens_per_s": tps,
+            "tau": s.tokens / max(s.forwards, 1) if name in hf else
+            (statistics.mean(s.accept_lengths) if s.accept_lengths else 1.0),
+            "speedup": tps / base,
+            **({"speedup_vs_fastest_hf_greedy": tps / fastest} if len(greedy) > 1 else {}),
+            "identical": s.identical / s.prompts if temperature == 0 else None,
+            "per_prompt_tokens_per_s": {"min": min(s.per_prompt_tps), "median": statistics.median(s.per_prompt_tps),
+                                        "max": max(s.per_prompt_tps)},
+            "tokens": s.tokens, "seconds": s.seconds, "draft_share": s.draft_seconds / s.seconds,
+            "tree_size": decoders[name].tree_size if name in decoders else None,
+            "depth_acceptance": [taken / tried for taken, tried in zip(s.depth_accepts, s.depth_attempts)],
+        }
+    return summary
+
+
+def write_atomically(path: Path, results: dict) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(results, indent=1))
+    partial.replace(path)
+
+
+def score_divergences(records, encoded, methods: dict[str, Method], models: HFModels) -> dict:
+    """``divergence_report`` for a run's methods: each scored on the model it ran on (``models``: the run's HF
+    models by dtype), against a float32 copy of the target."""
+    ran_on = {name: models.model(method.dtype if isinstance(method, HFBaseline) else None)
+              for name, method in methods.items() if name != BASELINE}
+    return divergence_report(records, encoded, ran_on, models.model("float32"), models.model(methods[BASELINE].dtype))
+
+
+def run_benchmark(target, target_name: str, methods: dict[str, Method], prompts: list[dict], output: str | Path, *,
+                  max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0, tree_size: int | None = None,
+                  prompts_source: str | None = None, stride: int = 1, plot: str | Path | None = None,
+                  progress: bool = True) -> dict:
+    """Run ``methods`` on ``prompts`` ([{"id", "prompt"}], e.g. from ``runtime.prompts.read_prompts``) and write the
+    results to ``output`` (JSON: ``methods`` (the summary), ``config``, ``divergences``, ``records`` (every output)).
+
+    ``target`` is the loaded target (``target_name``: what it was loaded from, to load copies in other dtypes); the
+    HF baseline ``hf-greedy`` is added first when ``methods`` lacks it. ``tree_size``: the tree size of decoder
+    methods without their own. ``prompts_source``: the prompts file recorded in the results (None: MT-bench).
+    The output file holds every finished prompt while the run goes on. After a greedy run, outputs that differ from
+    HF greedy get a ``divergence_report``. Per-method accept-length histograms go to ``plot`` (None: beside
+    ``output`` as .png). Returns what it wrote.
+    """
+    from tqdm import tqdm
+
+    from runtime.decoder import SpeculativeDecoder
+    from runtime.prompts import encode_prompt
+    from runtime.proposers import build_proposer
+
+    if BASELINE not in methods:
+        methods = {BASELINE: HFBaseline("hf-greedy"), **methods}  # the baseline every ratio refers to
+    check_methods(methods, target.num_layers)
+    if not prompts:
+        raise ValueError("run_benchmark needs at least one prompt")
+    output = Path(output)
+    models = HFModels(target, target_name)
+    eos = sorted(target.eos_token_ids)
+    decoders = {name: SpeculativeDecoder(target, build_proposer(method.proposer, target),
+                                         tree_size=method.tree_size or tree_size)
+                for name, method in methods.items() if isinstance(method, DecoderMethod)}
+
+    def run(name, ids, new_tokens):
+        method = methods[name]
+        if isinstance(method, HFBaseline):
+            assistant = models.assistant(method.draft_model) if method.draft_model else None
+            return run_hf(models.model(method.dtype), models.counter(method.dtype), ids, method, new_tokens, eos,
+                          temperature, seed, assistant)
+        return run_ours(decoders[name], ids, new_tokens, temperature, seed)
+
+    names = list(methods)
+    try:
+        encoded = [encode_prompt(target.tokenizer, p["prompt"]) for p in prompts]
+        for name in names:  # warm-up: first-call allocations and lazy initialisation stay out of the timings
+            run(name, encoded[0], 16)
+        stats = {name: MethodStats() for name in names}
+        records = []
+        config = {"target": target_name, "dtype": dtype_name(target.dtype), "prompts": prompts_source or "mt-bench",
+                  "stride": stride, "n_prompts": len(prompts), "max_new_tokens": max_new_tokens,
+                  "temperature": temperature, "threads": torch.get_num_threads(), "torch": torch.__version__,
+                  "machine": platform.processor() or platform.machine(),
+                  "method_specs": {name: method_to_json(method) for name, method in methods.items()}}
+        for index, ids in enumerate(tqdm(encoded, desc="benchmark", file=sys.stderr, disable=not progress)):
+            order = names[index % len(names):] + names[: index % len(names)]  # rotate who goes first
+            outputs = {}
+            for name in order:
+                tokens, seconds, forwards, details = run(name, ids, max_new_tokens)
+                outputs[name] = tokens
+                s = stats[name]
+                s.tokens += len(tokens)
+                s.seconds += seconds
+                s.forwards += forwards
+                s.prompts += 1
+                s.per_prompt_tps.append(len(tokens) / seconds)
+                if details is not None:
+                    s.draft_seconds += details.draft_seconds
+                    s.accept_lengths.extend(details.accept_lengths)
+                    s.add_depths(details.depth_attempts, details.depth_accepts)
+            for name in names:
+                stats[name].identical += outputs[name] == outputs[BASELINE]
+            records.append({"id": prompts[index]["id"], "outputs": outputs})
+            # A long run keeps what it has measured: the file holds every finished prompt until the final write.
+            write_atomically(output, {"methods": summarize(stats, methods, decoders, temperature),
+                                      "config": {**config, "n_prompts_done": index + 1}, "records": records})
+
+        summary = summarize(stats, methods, decoders, temperature)
+        divergences = {}
+        if temperature == 0 and any(row["identical"] < 1 for row in summary.values()):
+            divergences = score_divergences(records, encoded, methods, models)
+    finally:
+        models.close()
+    results = {"methods": summary, "config": config, "divergences": divergences, "records": records}
+    write_atomically(output, results)
+    plot_histograms(stats, Path(plot) if plot else output.with_suffix(".png"))
+    return results
+
+
+def rescore(path: str | Path, methods: dict[str, Method] | None = None, device: str | torch.device | None = None,
+            ) -> dict:
+    """Recompute the divergence report of a finished results file in place (no decoding, no timing); returns it.
+
+    ``methods``: what each method in the file was (default: as the file records them in ``config.method_specs``).
+    ``device``: where to load the models (default: the first GPU when there is one)."""
+    from runtime.prompts import encode_prompt, read_prompts
+    from runtime.target import load_target
+
+    path = Path(path)
+    results = json.loads(path.read_text())
+    config = results["config"]
+    if methods is None:
+        if "method_specs" not in config:
+            raise ValueError(f"{path} does not record its methods (config.method_specs): pass rescore(methods=...)")
+        methods = {name: method_from_json(data) for name, data in config["method_specs"].items()}
+    missing = set(results["methods"]) - set(methods)
+    if missing:
+        raise ValueError(f"rescore(methods=...) lacks {', '.join(sorted(missing))}, which {path} holds")
+    methods = {name: methods[name] for name in results["methods"]}
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_target(config["target"], dtype=config["dtype"], device=device, quiet=True)
+    prompts = {p["id"]: p["prompt"] for p in read_prompts(None if config["prompts"] == "mt-bench" else
+                                                           config["prompts"])}
+    encoded = [encode_prompt(target.tokenizer, prompts[record["id"]]) for record in results["records"]]
+    models = HFModels(target, config["target"])
+    results["divergences"] = score_divergences(results["records"], encoded, methods, models)
+    write_atomically(path, results)
+    return results["divergences"]

@@ -1,0 +1,137 @@
+"""Decode-sized versions of a model's linear, norm and frozen-projection layers, for CPU decode steps.
+
+Decoding multiplies one to a few rows by weight matrices read from memory. On CPU that product's speed depends on
+the BLAS call's operand order and, in bfloat16, on whether the CPU has bf16 matrix instructions; the stock layers
+are tuned for many rows. The decode layers compute the same values (in bf16 up to the order of the fp32
+accumulation) through whichever form is fast for few rows: ``scripts/bench_vocab_projection.py``,
+``scripts/bench_bf16_rows.py``, ``scripts/bench_decode_ops.py`` and ``scripts/bench_verify_pass.py`` measure them
+against the stock layers on the machine at hand.
+
+Two ways to use them:
+- ``use_decode_layers(module)`` switches a module the runtime built or loaded itself (a draft head) in place;
+- ``DecodeLayers(model)`` switches a target's layers only inside ``with layers.active():`` (the runtime's own
+  forward passes), so a model a user hands to ``runtime.target.Target`` is stock whenever they use it.
+Off CPU, with gradients, or in a dtype a kernel does not take, every decode layer runs the stock computation.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from heads.common import FrozenProjection
+from runtime.kernels import bf16_rows_linear, native_bf16_matmul, rms_norm_rows
+
+# Row counts up to which ``decode_linear`` computes weight @ hidden^T: on the 2-core x86 CPUs this was tuned on, BLAS
+# streams a weight matrix from memory faster in that operand order for a few rows (scripts/bench_vocab_projection.py
+# and scripts/bench_verify_pass.py re-measure it).
+WEIGHT_MAJOR_MAX_ROWS = 16
+
+# RMSNorm classes of transformers that compute weight * (x * rsqrt(mean(x^2) + eps)).to(dtype) with the epsilon in
+# ``variance_epsilon``: the formula rms_norm_rows implements. Others (Gemma's 1 + weight, ...) keep their own forward.
+LLAMA_FORMULA_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
+
+
+def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N]; equal to ``F.linear(hidden, weight, bias)``
+    (in bfloat16, up to the order of the fp32 accumulation).
+
+    Few rows go through ``weight @ hidden^T``, the rest (and anything that needs gradients, or runs off CPU) through
+    F.linear. In bfloat16, 2-16 rows go through the compiled row kernel (``runtime.kernels``): PyTorch's bf16 product
+    on a CPU without bf16 matrix instructions costs about one one-row product per row, the kernel reads the weights
+    once. Many bf16 rows (a prefill) on such a CPU go through an fp32 product of the upcast operands.
+    """
+    if hidden.device.type != "cpu" or torch.is_grad_enabled():
+        return F.linear(hidden, weight, bias)
+    rows = hidden.numel() // hidden.shape[-1]
+    if rows > WEIGHT_MAJOR_MAX_ROWS:
+        if weight.dtype == hidden.dtype == torch.bfloat16 and not native_bf16_matmul():
+            # The same numbers as the bf16 product (bf16 products are exact in fp32, fp32 sums, one rounding at the
+            # end) in another summation order, several times faster there (scripts/bench_bf16_rows.py).
+            return F.linear(hidden.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
+        return F.linear(hidden, weight, bias)
+    flat = hidden.reshape(rows, hidden.shape[-1])
+    if rows > 1 and weight.dtype == hidden.dtype == torch.bfloat16 and (kernel := bf16_rows_linear()) is not None:
+        # One row stays on PyTorch's bf16 product, which is about as fast and gives plain decoding HF's exact numbers.
+        out = kernel(flat.contiguous(), weight.contiguous(), bias)
+        return out.reshape(*hidden.shape[:-1], weight.shape[0])
+    # The product comes out as [N, rows]; handing a transposed view on would make every later op (rotary, SDPA,
+    # which then falls back to its slow math kernel) work on a strided tensor, so copy the few rows once.
+    out = torch.mm(weight, flat.t()).t().contiguous().reshape(*hidden.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
+
+
+class DecodeLinear(nn.Linear):
+    """An nn.Linear whose forward is ``decode_linear``: same parameters, same results."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return decode_linear(hidden, self.weight, self.bias)
+
+
+class DecodeFrozenProjection(FrozenProjection):
+    """A head's borrowed vocabulary projection through ``decode_linear``."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return decode_linear(hidden, self.weight.to(hidden.dtype))
+
+
+def _decode_norm_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    if (hidden.dtype == self.weight.dtype == torch.bfloat16 and hidden.device.type == "cpu"
+            and not torch.is_grad_enabled() and hidden.is_contiguous() and (kernel := rms_norm_rows()) is not None):
+        return kernel(hidden, self.weight, self.variance_epsilon)
+    return super(type(self), self).forward(hidden)
+
+
+@functools.cache
+def _decode_norm_class(norm_class: type) -> type:
+    return type(f"Decode{norm_class.__name__}", (norm_class,), {"forward": _decode_norm_forward})
+
+
+def decode_class(layer_class: type) -> type | None:
+    """The decode version of a layer class, or None when it has none. Subclasses of nn.Linear (quantized or adapter
+    layers) keep their own forward."""
+    if layer_class is nn.Linear:
+        return DecodeLinear
+    if layer_class is FrozenProjection:
+        return DecodeFrozenProjection
+    if layer_class.__name__ in LLAMA_FORMULA_NORMS:
+        return _decode_norm_class(layer_class)
+    return None
+
+
+def use_decode_layers(module: nn.Module) -> nn.Module:
+    """Switch every layer of ``module`` that has a decode version to it, in place (parameters untouched); returns
+    it. For modules the runtime owns (a head it loaded); a user's model goes through ``DecodeLayers`` instead."""
+    for child in module.modules():
+        fast = decode_class(type(child))
+        if fast is not None:
+            child.__class__ = fast
+    return module
+
+
+class DecodeLayers:
+    """The decode versions of a model's layers, switched on only inside ``with layers.active():``.
+
+    Switching is a class-pointer swap per layer (parameters untouched), undone on exit, so the model is the stock
+    model outside the runtime's own passes. Not thread-safe: one model is not decoded from two threads at once.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.swaps = [(layer, type(layer), fast) for layer in model.modules()
+                      if (fast := decode_class(type(layer))) is not None]
+
+    @contextmanager
+    def active(self):
+        # object.__setattr__ skips nn.Module's attribute bookkeeping: a few hundred swaps stay well under a
+        # millisecond per pass.
+        for layer, _, fast in self.swaps:
+            object.__setattr__(layer, "__class__", fast)
+        try:
+            yield
+        finally:
+            for layer, stock, _ in self.swaps:
+                object.__setattr__(layer, "__class__", stock)

@@ -1,0 +1,117 @@
+"""Decode layers: same outputs as the stock layers, switched in place only for modules the runtime owns, and only
+for the runtime's own passes on a model a user hands over."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from heads.common import FrozenProjection
+from runtime.decode_layers import (DecodeFrozenProjection, DecodeLayers, DecodeLinear, decode_linear,
+                                   use_decode_layers)
+from runtime.target import Target
+from tests.conftest import tiny_model
+
+
+@pytest.mark.parametrize("shape", [(32,), (1, 32), (2, 3, 32), (1, 16, 32), (1, 17, 32)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_decode_linear_equals_linear(shape, with_bias):
+    weight, bias = torch.randn(48, 32), (torch.randn(48) if with_bias else None)
+    hidden = torch.randn(*shape[:-1], 64)[..., ::2]  # a strided view, as attention outputs can be
+    with torch.inference_mode():
+        fast = decode_linear(hidden, weight, bias)
+    torch.testing.assert_close(fast, torch.nn.functional.linear(hidden, weight, bias), rtol=1e-5, atol=1e-5)
+    # A strided result would push the attention that follows off SDPA's fused CPU kernel.
+    assert fast.is_contiguous()
+
+
+@pytest.mark.parametrize("shape", [(32,), (1, 32), (3, 32), (2, 3, 32), (1, 9, 32)])
+def test_decode_frozen_projection_equals_the_stock_one(shape):
+    projection = FrozenProjection()
+    projection.weight = torch.randn(64, 32)
+    hidden = torch.randn(*shape)
+    with torch.inference_mode():
+        stock = projection(hidden)
+        use_decode_layers(projection)
+        assert type(projection) is DecodeFrozenProjection
+        fast = projection(hidden)
+    torch.testing.assert_close(fast, stock, rtol=1e-5, atol=1e-5)
+
+
+def test_use_decode_layers_switches_plain_linears_only_and_keeps_outputs():
+    class Adapter(torch.nn.Linear):
+        pass
+
+    model = tiny_model("llama")
+    model.extra = Adapter(4, 4)
+    ids = torch.randint(0, model.config.vocab_size, (1, 5))
+    with torch.inference_mode():
+        before = model(ids).logits
+        use_decode_layers(model)
+        after = model(ids).logits
+    layer = model.get_decoder().layers[0]
+    assert type(layer.self_attn.q_proj) is DecodeLinear and type(layer.mlp.down_proj) is DecodeLinear
+    assert type(model.extra) is Adapter
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch, switched", [("llama", True), ("qwen2", True), ("gemma", False)])
+def test_decode_norms_switch_llama_formula_norms_only_and_keep_outputs(arch, switched):
+    model = tiny_model(arch).bfloat16()
+    norm_class = type(model.get_decoder().norm)
+    ids = torch.randint(0, model.config.vocab_size, (1, 5))
+    with torch.inference_mode():
+        before = model(ids).logits.float()
+        use_decode_layers(model)
+        after = model(ids).logits.float()
+    now = type(model.get_decoder().norm)
+    assert (now is not norm_class and issubclass(now, norm_class)) == switched
+    torch.testing.assert_close(after, before, rtol=0.02, atol=0.02)  # bf16: the sum of squares in another order
+
+
+def test_decode_layers_are_active_only_inside_the_context():
+    model = tiny_model("llama")
+    layers = DecodeLayers(model)
+    q_proj = model.get_decoder().layers[0].self_attn.q_proj
+    with layers.active():
+        assert type(q_proj) is DecodeLinear
+    assert type(q_proj) is torch.nn.Linear
+    with pytest.raises(KeyError), layers.active():  # an error inside a pass still restores the stock classes
+        raise KeyError("boom")
+    assert type(q_proj) is torch.nn.Linear
+
+
+def layer_classes(model) -> list[type]:
+    return [type(module) for module in model.modules()]
+
+
+def test_target_leaves_a_users_model_unchanged_and_runs_decode_layers_in_its_passes():
+    """The runtime may not switch a caller's model behind their back: after wrapping it and decoding with it, the
+    model has its own classes, attention implementation, grad flags and outputs; inside the runtime's pass it ran
+    the decode layers and the tree attention."""
+    from runtime.decoder import SpeculativeDecoder
+    from runtime.proposers import NgramProposer
+
+    model = tiny_model("llama")
+    classes, attention = layer_classes(model), model.config._attn_implementation
+    grads = [p.requires_grad for p in model.parameters()]
+    ids = torch.randint(0, model.config.vocab_size, (1, 7))
+    with torch.no_grad():
+        before = model(ids).logits
+    seen = []
+    q_proj = model.get_decoder().layers[0].self_attn.q_proj
+    handle = q_proj.register_forward_pre_hook(
+        lambda module, args: seen.append((type(module), model.config._attn_implementation)))
+    target = Target(model, None, "tiny")
+    SpeculativeDecoder(target, NgramProposer(), tree_size=4).generate(ids[0], 6)
+    handle.remove()
+    assert seen and all(kind is DecodeLinear and impl == "headstart_tree" for kind, impl in seen)
+    assert layer_classes(model) == classes and model.config._attn_implementation == attention
+    assert [p.requires_grad for p in model.parameters()] == grads
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
+
+
+def test_target_refuses_a_model_in_training_mode():
+    with pytest.raises(ValueError, match=r"training mode .* call model.eval\(\)"):
+        Target(tiny_model("llama").train(), None, "tiny")
