@@ -61,6 +61,9 @@ def head_layer_config(target_config, num_layers: int = 1):
     # Heads have no sliding-window/layer-type variety: every layer is a full-attention layer.
     if getattr(config, "layer_types", None) is not None:
         config.layer_types = ["full_attention"] * num_layers
+    # SDPA takes no attention logit soft-capping (Gemma-2); a draft head's own layers do without it.
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        config.attn_logit_softcapping = None
     return config
 
 

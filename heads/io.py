@@ -3,11 +3,14 @@
 Our format records the head's architecture and the target it was trained for (identity, model type, hidden size,
 vocabulary, layer count, tokenizer fingerprint); loading compares all of it with the target at hand and names every
 mismatch. Frozen target weights (embedding, shared LM heads) are never saved: they are attached from the target.
-Writes are atomic: a temporary sibling directory is filled and then swapped in with ``os.replace``.
+Writes are atomic: a temporary sibling directory is filled and then swapped in with ``os.replace``. An export
+carries a marker file (``headstart_export.json``), and exporting replaces only an empty directory or an earlier
+export unless forced: an output path that names a run directory must not wipe the run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -23,12 +26,20 @@ from torch import nn
 
 from heads.base import DraftHead
 from heads.common import frozen_target_weights, target_signature
-from heads.registry import HEAD_TYPES, build_head
+from heads.registry import HEAD_TYPES, build_head, head_class
 
 FORMAT = "headstart-head"
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+EXPORT_MARKER = "headstart_export.json"  # in every export: what may be replaced without force
+EXPORT_FORMAT = "headstart-export"
+# Set on the config of a target exported with a Medusa-2 head's LoRA adapters merged in: the adapters' fingerprint.
+# HF configs keep unknown attributes through save_pretrained / from_pretrained, so it travels with the weights.
+MERGED_ADAPTERS_KEY = "headstart_merged_adapters"
+# The integer settings of a head config's tree section (all optional), and what each one sets.
+TREE_INTEGERS = {"depth": "the draft depth", "top_k": "the branching per tree level", "size": "the verified tree size",
+                 "tokens": "the verified tree size, as older versions call it"}
 
 
 def _check_head(head: nn.Module) -> DraftHead:
@@ -94,18 +105,89 @@ def save_head(head: nn.Module, directory: str | os.PathLike, target: dict, *, tr
 
 
 def read_head_config(directory: str | os.PathLike) -> dict:
+    """The config.json of a head directory, checked: a ValueError names the file and the key of every mistake that
+    would otherwise surface later as a KeyError, a TypeError or a head that drafts nothing."""
     directory = Path(directory)
     path = directory / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not a head directory (no {CONFIG_NAME}); pass the directory written "
                                 f"by training (OUTPUT_DIR/head)")
-    config = json.loads(path.read_text())
-    if config.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a headstart head config (format={config.get('format')!r}); exported "
-                         f"serving formats cannot be loaded back")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); restore it from the training run's head "
+                         f"directory") from None
+    if not isinstance(config, dict) or config.get("format") != FORMAT:
+        found = config.get("format") if isinstance(config, dict) else type(config).__name__
+        raise ValueError(f"{path} is not a headstart head config (format={found!r}); exported serving formats "
+                         f"cannot be loaded back")
     if config.get("head_type") not in HEAD_TYPES:
         raise ValueError(f"{path}: unknown head_type {config.get('head_type')!r}; known: {', '.join(HEAD_TYPES)}")
+    _check_sections(config, path)
+    _check_tree(config.get("tree", {}), path)
     return config
+
+
+def _check_sections(config: dict, path: Path) -> None:
+    """The sections loading reads: head_config and target (required), tree and training (optional) as objects."""
+    for key in ("head_config", "target"):
+        if not isinstance(config.get(key), dict):
+            found = "missing" if key not in config else f"a {type(config[key]).__name__}, not an object"
+            raise ValueError(f"{path}: {key} is {found}; a head directory written by training has it (restore the "
+                             f"file, or save the head again with heads.io.save_head)")
+    for key in ("tree", "training"):
+        if not isinstance(config.get(key, {}), dict):
+            raise ValueError(f"{path}: {key} must be an object, got {type(config[key]).__name__}; fix it in the file "
+                             f"or delete it")
+    try:  # the architecture, as load_head will build it: unknown keys or values of the wrong type
+        head_class(config["head_type"]).config_from_dict(config["head_config"])
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: head_config does not describe a head of type {config['head_type']} ({error}); "
+                         f"fix the key in the file, or save the head again") from None
+    lora = config.get("training", {}).get("target_lora")
+    if lora is not None and not (isinstance(lora, str) and lora):
+        raise ValueError(f"{path}: training.target_lora must name the adapter directory inside the head directory "
+                         f"(or be null), got {lora!r}")
+
+
+def _check_tree(tree: dict, path: Path) -> None:
+    """The runtime's tree defaults: positive integers, a dtype name, and acceptance rates in [0, 1]."""
+    for key, meaning in TREE_INTEGERS.items():
+        value = tree.get(key)
+        if key in tree and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{path}: tree.{key} must be a positive integer ({meaning}), got {value!r}; fix it in "
+                             f"the file, or delete it for the runtime's default")
+    for key in ("size_dtype", "tokens_dtype"):
+        if key in tree and not isinstance(tree[key], str):
+            raise ValueError(f"{path}: tree.{key} must be a dtype name such as 'float32', got {tree[key]!r}")
+    rates = tree.get("acceptance")
+    if rates is not None and not (isinstance(rates, list) and all(
+            isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate <= 1 for rate in rates)):
+        raise ValueError(f"{path}: tree.acceptance must be a list of acceptance rates in [0, 1] (acc@1, acc@2, ...), "
+                         f"got {rates!r}; fix it in the file, or delete it")
+
+
+def target_adapters(directory: str | os.PathLike, config: dict) -> Path | None:
+    """The LoRA adapters a Medusa-2 head was trained with on its target (``training.target_lora``, a directory
+    inside the head directory), or None for a head trained on the frozen target."""
+    name = config.get("training", {}).get("target_lora")
+    if not name:
+        return None
+    adapters = Path(directory) / name
+    if not adapters.is_dir():
+        raise FileNotFoundError(f"{Path(directory) / CONFIG_NAME} names target LoRA adapters in {adapters}, which is "
+                                f"missing; copy the whole head directory, adapters included")
+    return adapters
+
+
+def adapter_fingerprint(adapters: str | os.PathLike) -> str:
+    """A short hash of an adapter directory's weight files: which adapters a merged target has in it."""
+    adapters = Path(adapters)
+    digest = hashlib.sha256()
+    for path in sorted(p for p in adapters.rglob("*") if p.is_file() and p.suffix in (".safetensors", ".bin")):
+        digest.update(path.relative_to(adapters).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def check_target(saved: dict, actual: dict, where: str, head_type: str, feature_layers: list[int] = ()) -> None:
@@ -208,8 +290,38 @@ def serving_export(head: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, tensors
 
 
-def export_head(head: nn.Module, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-    """Write ``head`` in the serving format (SGLang and vLLM read the same layout) to ``out_dir`` atomically."""
+def export_destination_problem(directory: str | os.PathLike) -> str | None:
+    """Why exporting to ``directory`` would destroy something (a description), or None: it is missing, an empty
+    directory, or an earlier export (it holds ``EXPORT_MARKER``)."""
+    directory = Path(directory)
+    if not directory.exists() and not directory.is_symlink():
+        return None
+    if not directory.is_dir():
+        return f"{directory} exists and is not a directory"
+    if (directory / EXPORT_MARKER).is_file() or not any(directory.iterdir()):
+        return None
+    return f"{directory} exists and is not an earlier export (no {EXPORT_MARKER}); exporting there would delete it"
+
+
+def write_export(directory: str | os.PathLike, fill: Callable[[Path], None], kind: str, *,
+                 force: bool = False) -> Path:
+    """``atomic_directory`` for an export of ``kind`` (``head``, ``merged-target``): refuses to replace what
+    ``export_destination_problem`` describes unless ``force``, and marks the new directory as an export."""
+    problem = None if force else export_destination_problem(directory)
+    if problem:
+        raise FileExistsError(f"{problem}. Export to a new or empty directory, or pass force=True to replace it")
+
+    def marked(tmp: Path) -> None:
+        fill(tmp)
+        _write_json(tmp / EXPORT_MARKER, {"format": EXPORT_FORMAT, "kind": kind})
+
+    return atomic_directory(directory, marked)
+
+
+def export_head(head: nn.Module, out_dir: str | os.PathLike, dtype: torch.dtype | None = None, *,
+                force: bool = False) -> Path:
+    """Write ``head`` in the serving format (SGLang and vLLM read the same layout) to ``out_dir`` atomically.
+    ``out_dir`` must be missing, empty or an earlier export, unless ``force`` (see ``write_export``)."""
     config, tensors = serving_export(head)
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
@@ -219,4 +331,4 @@ def export_head(head: nn.Module, out_dir: str | os.PathLike, dtype: torch.dtype 
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         _write_json(tmp / CONFIG_NAME, config)
 
-    return atomic_directory(out_dir, fill)
+    return write_export(out_dir, fill, "head", force=force)

@@ -91,21 +91,35 @@ def merge_attention(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Ten
     return out_a * weight_a + out_b * weight_b, lse
 
 
-def flash_prefix_attention(query, key, value, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Maskless attention of all queries to the prefix with flash-attn 2 (CUDA). Same contract as the reference."""
+def flash_prefix_attention(query, key, value, scale: float, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Maskless (or causal) attention with flash-attn 2 (CUDA, fp16/bf16). Same contract as the reference."""
     from flash_attn import flash_attn_func
 
     out, lse, _ = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                  softmax_scale=scale, causal=False, return_attn_probs=True)
+                                  softmax_scale=scale, causal=causal, return_attn_probs=True)
     return out.transpose(1, 2).float(), lse.float()
 
 
-def reference_prefix_attention(query, key, value, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return attention_with_lse(query, key, value, None, scale)
+def reference_prefix_attention(query, key, value, scale: float, causal: bool = False) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+    """The prefix kernel's reference: attention_with_lse over every key, or causally (queries are the last keys)."""
+    return attention_with_lse(query, key, value, causal_mask(query.shape[2], key.shape[2], query.device)
+                              if causal else None, scale)
 
 
-def flash_attn_available(device: torch.device) -> bool:
-    return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+def causal_mask(rows: int, keys: int, device) -> torch.Tensor:
+    """[1, 1, rows, keys] bool: the rows are the last ``rows`` of the keys and each sees itself and what precedes."""
+    return torch.ones(rows, keys, dtype=torch.bool, device=device).tril(keys - rows)[None, None]
+
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn's kernels take only these
+
+
+def flash_attn_available(device: torch.device, dtype: torch.dtype | None = None) -> bool:
+    """Whether flash-attn's kernels can run here: CUDA, flash-attn installed and (when given) a dtype it takes."""
+    if device.type != "cuda" or (dtype is not None and dtype not in FLASH_DTYPES):
+        return False
+    return importlib.util.find_spec("flash_attn") is not None
 
 
 def cascade_attention(query, key, value, mask, scale: float, prefix_len: int,
@@ -113,9 +127,15 @@ def cascade_attention(query, key, value, mask, scale: float, prefix_len: int,
     """Prefix part with a maskless kernel + tree part with the mask, merged by log-sum-exp. Returns [B, H, T, D].
 
     ``mask[..., :prefix_len]`` must be all True (every query sees the whole prefix): the prefix kernel has no mask.
+    ``mask`` None follows SDPA's convention: causal when there are several queries (a prefill), else everything.
+    The prefix kernel is flash-attn's where it runs (CUDA, fp16/bf16), the reference elsewhere.
     """
     if prefix_kernel is None:
-        prefix_kernel = flash_prefix_attention if flash_attn_available(query.device) else reference_prefix_attention
+        use_flash = flash_attn_available(query.device, query.dtype)
+        prefix_kernel = flash_prefix_attention if use_flash else reference_prefix_attention
+    if mask is None and query.shape[2] > 1:  # a causal pass: the kernel's own causal mode, no merge needed
+        out, _ = prefix_kernel(query, key, value, scale, causal=True)
+        return out.to(query.dtype)
     if prefix_len == 0:
         out, _ = attention_with_lse(query, key, value, mask, scale)
         return out.to(query.dtype)
@@ -140,9 +160,9 @@ def tree_attention(query, key, value, mask, scale: float, backend: str = "sdpa",
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
-def default_backend(device: torch.device) -> str:
-    """The flash-attn cascade on CUDA when flash-attn is importable; SDPA otherwise."""
-    return "cascade" if flash_attn_available(device) else "sdpa"
+def default_backend(device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The flash-attn cascade where flash-attn runs (CUDA, fp16/bf16, installed); SDPA otherwise."""
+    return "cascade" if flash_attn_available(device, dtype) else "sdpa"
 
 
 def available_backends(device: torch.device) -> list[str]:
@@ -157,18 +177,69 @@ def available_backends(device: torch.device) -> list[str]:
     return names
 
 
+def sliding_window_mask(mask: torch.Tensor | None, position_ids: torch.Tensor, key_len: int,
+                        window: int) -> torch.Tensor:
+    """Restrict a pass's mask to keys fewer than ``window`` positions behind each query (a sliding-window layer).
+
+    mask: [B or 1, 1, T, S] bool or None (causal when T > 1, everything for one row); position_ids [B, T]: the
+    queries' positions. The first S - T keys are the committed cache, whose slot j holds position j; the last T are
+    the pass's own rows, at the queries' positions. Returns [B, 1, T, S] bool. A key is kept when
+    query_position - key_position < window, as transformers' sliding-window masks do.
+    """
+    batch, rows = position_ids.shape
+    prefix = key_len - rows
+    cached = torch.arange(prefix, device=position_ids.device).expand(batch, prefix)
+    key_positions = torch.cat([cached, position_ids], dim=1)  # [B, S]
+    near = (position_ids[:, :, None] - key_positions[:, None, :]) < window  # [B, T, S]
+    if mask is None:
+        mask = causal_mask(rows, key_len, position_ids.device)
+    return mask & near[:, None]
+
+
+def softcapped_attention(query, key, value, mask, scale: float, softcap: float) -> torch.Tensor:
+    """Attention with Gemma-2's logit soft-capping (scores -> softcap * tanh(scores / softcap)), in float32; no fused
+    kernel takes it. mask as in ``sdpa_attention`` (None: causal for several rows). Returns [B, H, T, D]."""
+    batch, heads, rows, dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    q = query.float().reshape(batch, kv_heads, heads // kv_heads, rows, dim)
+    scores = torch.einsum("bkgtd,bksd->bkgts", q, key.float()) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None and rows > 1:
+        mask = causal_mask(rows, keys, query.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    weights = torch.nan_to_num(scores.softmax(-1), nan=0.0)  # a row that sees nothing gets zeros
+    out = torch.einsum("bkgts,bksd->bkgtd", weights, value.float())
+    return out.reshape(batch, heads, rows, dim).to(query.dtype)
+
+
 def transformers_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                                    scaling: float | None = None, tree_backend: str = "sdpa",
-                                   prefix_len: int | None = None, **kwargs):
+                                   prefix_len: int | None = None, sliding_window: int | None = None,
+                                   softcap: float | None = None, **kwargs):
     """The function transformers' attention modules call (registered as ``ATTN_IMPLEMENTATION``).
 
-    The backend and prefix length arrive as forward kwargs, so they flow through arguments, not model state.
-    Returns (out [B, T, H, D], None) as transformers expects.
+    The backend and prefix length arrive as forward kwargs, so they flow through arguments, not model state. A
+    sliding-window layer (its module passes ``sliding_window``) gets the window applied to the mask here, so every
+    backend and every model family sees the same windowed tree mask; Gemma-2's ``softcap`` goes through
+    ``softcapped_attention``. Returns (out [B, T, H, D], None) as transformers expects.
     """
-    if kwargs.get("softcap") is not None:
-        raise ValueError("attention logit soft-capping (Gemma-2 style) is not supported by the tree backends")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = tree_attention(query, key, value, attention_mask, scale, tree_backend, prefix_len)
+    keys = key.shape[2]
+    windowed = sliding_window is not None and keys > sliding_window  # shorter contexts: the window cuts nothing
+    if windowed:
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            raise ValueError("a sliding-window layer needs position_ids to place its window; pass position_ids")
+        attention_mask = sliding_window_mask(attention_mask, position_ids, keys, sliding_window)
+    if softcap is not None:
+        out = softcapped_attention(query, key, value, attention_mask, scale, softcap)
+    elif windowed and tree_backend == "cascade":
+        # the cascade's prefix kernel sees the whole prefix; a window cuts into it, so attend over the full mask
+        out, _ = attention_with_lse(query, key, value, attention_mask, scale)
+        out = out.to(query.dtype)
+    else:
+        out = tree_attention(query, key, value, attention_mask, scale, tree_backend, prefix_len)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -1,7 +1,8 @@
 """How much a verification pass over T tokens costs relative to T = 1, measured on this machine, and the tree
 size that maximises expected tokens per unit of target time.
 
-The curve is measured once per (target, dtype, device, thread count, CPU) and cached as JSON in the cache dir.
+The curve is measured once per (target, dtype, device, thread count, CPU) and cached as JSON in the cache dir. It
+is only the starting point: ``runtime.tree_sizing.TreeSizer`` corrects it with the costs and acceptance it sees.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import torch
 from runtime.assets import cache_dir
 from runtime.target import Target
 from runtime.tree import Tree, verification_mask
+from runtime.tree_sizing import TreeSizer
 
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+ADAPTIVE_MAX_SIZE = 32  # the largest tree adaptive sizing considers
 
 
 def _curve_path(target: Target):
@@ -28,6 +31,14 @@ def _curve_path(target: Target):
     key = f"{target.identity}|{target.dtype}|{target.device}|{machine}|{torch.__version__}"
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     return cache_dir() / "cost_curves" / f"{digest}.json"
+
+
+def synchronized_seconds(device: torch.device, started: float) -> float:
+    """Seconds since ``started`` (a time.perf_counter() value) once the device's queued work is done: CUDA runs
+    kernels asynchronously, so without the synchronisation a timing would measure only the launches."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
 
 
 @torch.inference_mode()
@@ -46,7 +57,7 @@ def measure_cost_curve(target: Target, context: int = 256, sizes=SIZES, repeats:
             positions = tree.position_ids(context)[None]
             started = time.perf_counter()
             target.forward(tree.tokens[None], positions, cache, mask)
-            timings[size].append(time.perf_counter() - started)
+            timings[size].append(synchronized_seconds(device, started))
     base = statistics.median(timings[1][1:])
     return {size: statistics.median(values[1:]) / base for size, values in timings.items()}
 
@@ -76,11 +87,11 @@ def best_tree_size(curve: dict[int, float], acceptance: float) -> int:
     return max(curve, key=lambda size: expected_tokens(size, acceptance) / curve[size])
 
 
-def choose_tree_size(target: Target, proposer) -> int:
-    """The proposer's own measured tree size when it has one (a shipped head tuned with scripts/tune_tree.py),
-    otherwise the best size for its prior acceptance on this machine's cost curve."""
-    if proposer.tree_size:
-        return proposer.tree_size
+def adaptive_sizer(target: Target, proposer) -> TreeSizer | None:
+    """A TreeSizer for ``proposer`` on ``target``, starting at the proposer's measured size when it has one; None
+    for a proposer that never drafts (plain decoding)."""
     if proposer.expected_acceptance <= 0:
-        return 1
-    return best_tree_size(cost_curve(target), proposer.expected_acceptance)
+        return None
+    curve = {size: cost for size, cost in cost_curve(target).items() if size <= ADAPTIVE_MAX_SIZE}
+    return TreeSizer(curve, proposer.expected_acceptance, start=proposer.tree_size,
+                     max_depth=getattr(proposer, "depth", None) or getattr(proposer, "max_depth", None))

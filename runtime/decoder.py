@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from collections.abc import Callable, Sequence
 
 import torch
 
 from runtime.acceptance import greedy_accept, rejection_accept, typical_accept
 from runtime.attention import BACKENDS, default_backend
+from runtime.cost_model import adaptive_sizer, synchronized_seconds
 from runtime.proposers.base import NoProposer, Proposer, ProposeInput
-from runtime.sampling import SamplingParams, processed_probs, sample
+from runtime.sampling import SamplingParams, new_generator, processed_probs, sample
 from runtime.target import Target
 from runtime.tree import verification_mask
 
@@ -43,13 +44,64 @@ class GenerationResult:
         return [a / t if t else 0.0 for a, t in zip(self.depth_accepts, self.depth_attempts)]
 
 
+class Stops:
+    """When a generation ends: a stop token, a stop string in the decoded text, or the length limit."""
+
+    def __init__(self, token_ids: set[int], strings: tuple[str, ...], tokenizer):
+        if strings and tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer to decode the output: pass tokenizer=, or give the "
+                             "Target a tokenizer")
+        if any(not isinstance(text, str) or not text for text in strings):
+            raise ValueError(f"stop_strings must be non-empty strings, got {list(strings)}")
+        self.token_ids, self.strings, self.tokenizer = token_ids, strings, tokenizer
+        # A stop string of n characters spans at most n tokens (every token decodes to at least one character,
+        # byte-level pieces of one character aside), so the text to search is the new tokens plus that many before.
+        self.lookback = max((len(text) for text in strings), default=0) + 4
+
+    def emit(self, tokens: list[int], result: GenerationResult, max_new_tokens: int) -> list[int]:
+        """Append ``tokens`` up to the first stop or the length limit to ``result``; sets ``result.stop_reason``
+        and returns what was appended."""
+        emitted = tokens[: max_new_tokens - len(result.tokens)]
+        stop = next((i for i, token in enumerate(emitted) if token in self.token_ids), None)
+        if stop is not None:
+            emitted = emitted[: stop + 1]
+        if self.strings:
+            cut = self._string_stop(result.tokens, emitted)
+            if cut is not None:
+                emitted, stop = emitted[:cut], cut - 1
+        result.tokens.extend(emitted)
+        if stop is not None:
+            result.stop_reason = "stop"
+        elif len(result.tokens) >= max_new_tokens:
+            result.stop_reason = "length"
+        else:
+            result.stop_reason = "running"
+        return emitted
+
+    def _string_stop(self, before: list[int], new: list[int]) -> int | None:
+        """The number of ``new`` tokens up to the one that completes a stop string, or None."""
+        context = before[-self.lookback:]
+
+        def contains(count: int) -> bool:
+            text = self.tokenizer.decode(context + new[:count])
+            return any(stop in text for stop in self.strings)
+
+        if not new or not contains(len(new)):
+            return None
+        return next(count for count in range(1, len(new) + 1) if contains(count))
+
+
 class SpeculativeDecoder:
-    """Generate with ``target``, drafting with ``proposer``. ``tree_size`` caps the verified tree (root
-    included); None sizes it from the target's measured cost curve (runtime.cost_model) on this machine.
+    """Generate with ``target``, drafting with ``proposer``.
+
+    tree_size: the verified tree's size (nodes, root included) for every step; None (the default) lets a
+    ``runtime.tree_sizing.TreeSizer`` choose it step by step, starting from this machine's cost curve
+    (``runtime.cost_model``) and the proposer's prior acceptance (or its measured size), learning acceptance as it
+    goes. ``tree_size_reason`` says which and why; each result's ``tree_sizes`` lists the sizes used.
 
     acceptance: "exact" (greedy at temperature 0, lossless rejection sampling otherwise) or "typical" (Medusa's
     lossy typical acceptance, opt-in). attention: a backend of runtime.attention, or "auto": the flash-attn cascade
-    on CUDA when flash-attn is installed, SDPA otherwise.
+    where flash-attn runs (CUDA, fp16/bf16, installed), SDPA otherwise.
     """
 
     def __init__(self, target: Target, proposer: Proposer | None = None, tree_size: int | None = None,
@@ -60,15 +112,26 @@ class SpeculativeDecoder:
         self.proposer = proposer if proposer is not None else NoProposer()
         if attention != "auto" and attention not in BACKENDS:
             raise ValueError(f"unknown attention backend {attention!r}; choose auto or one of {', '.join(BACKENDS)}")
-        self.attention = default_backend(target.device) if attention == "auto" else attention
+        self.attention = default_backend(target.device, target.dtype) if attention == "auto" else attention
         self.acceptance = acceptance
-        if tree_size is None:
-            from runtime.cost_model import choose_tree_size
-
-            tree_size = choose_tree_size(target, self.proposer)
-        if tree_size < 1:
+        if tree_size is not None and tree_size < 1:
             raise ValueError(f"tree_size must be >= 1, got {tree_size}")
-        self.tree_size = tree_size
+        self.sizer = None if tree_size is not None else adaptive_sizer(target, self.proposer)
+        if tree_size is not None:
+            self.tree_size_reason = f"fixed at {tree_size} (tree_size={tree_size})"
+        elif self.sizer is None:
+            tree_size, self.tree_size_reason = 1, f"1: the {self.proposer.name} proposer drafts nothing"
+        else:
+            start = self.sizer.current
+            why = ("the proposer's measured size" if self.sizer.started
+                   else "the best size for its prior acceptance on this machine's cost curve")
+            self.tree_size_reason = f"adaptive, starting at {start} ({why}), up to {self.sizer.largest}"
+        # the largest tree a step may ask for: what buffers are sized for
+        self.tree_size = tree_size if self.sizer is None else self.sizer.largest
+
+    def tree_size_report(self) -> dict:
+        """How the tree size was chosen, and (adaptive) the sizes used so far and the acceptance learnt."""
+        return {"reason": self.tree_size_reason, **(self.sizer.report() if self.sizer is not None else {})}
 
     def _check_length(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len == 0:
@@ -79,62 +142,93 @@ class SpeculativeDecoder:
                 f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the target's context of "
                 f"{limit} positions; shorten the prompt or lower max_new_tokens")
 
-    @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor | Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                  stream: Callable[[list[int]], None] | None = None,
-                 stop_token_ids: Sequence[int] | None = None) -> GenerationResult:
-        """Generate up to ``max_new_tokens`` after the prompt (ids [P] or [1, P]); stops at EOS/stop tokens."""
+                 stop_token_ids: Sequence[int] | None = None,
+                 stop_strings: Sequence[str] | None = None, tokenizer=None) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` after the prompt (ids [P] or [1, P]).
+
+        Stops at a stop token (default: the target's EOS ids) or once the text contains one of ``stop_strings``
+        (decoded with ``tokenizer``, default the target's; the tokens up to and including the one that completes the
+        string are kept). ``stream`` is called with each chunk of accepted tokens; ``stream_tokens`` is the same
+        generation as an iterator.
+        """
+        chunks = self.stream_tokens(input_ids, max_new_tokens, temperature, top_k, top_p, seed, stop_token_ids,
+                                    stop_strings, tokenizer)
+        while True:
+            try:
+                chunk = next(chunks)
+            except StopIteration as finished:
+                return finished.value
+            if stream is not None:
+                stream(chunk)
+
+    def stream_tokens(self, input_ids: torch.Tensor | Sequence[int], max_new_tokens: int, temperature: float = 0.0,
+                      top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                      stop_token_ids: Sequence[int] | None = None, stop_strings: Sequence[str] | None = None,
+                      tokenizer=None) -> Generator[list[int], None, GenerationResult]:
+        """``generate`` as an iterator: yields each chunk of accepted tokens (a list of ids) as it is verified; the
+        GenerationResult is the iterator's return value (``StopIteration.value``)."""
         target, device = self.target, self.target.device
         prompt = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(-1)
         prompt_len = prompt.numel()
         self._check_length(prompt_len, max_new_tokens)
         sampling = SamplingParams(temperature, top_k, top_p)
-        generator = None
-        if not sampling.greedy:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(seed if seed is not None else torch.seed())
-        stops = set(stop_token_ids) if stop_token_ids is not None else target.eos_token_ids
+        generator = None if sampling.greedy else new_generator(seed)
+        stops = Stops(set(stop_token_ids) if stop_token_ids is not None else target.eos_token_ids,
+                      tuple(stop_strings or ()), tokenizer or target.tokenizer)
         proposer = self.proposer
         hidden_layers = proposer.hidden_layers
 
-        started = time.perf_counter()
-        max_length = prompt_len + max_new_tokens + self.tree_size + 1
-        cache = target.new_cache(1, max_length)
-        history = torch.empty(max_length, dtype=torch.long, device=device)
-        history[:prompt_len] = prompt
-        out = target.forward(prompt[None], torch.arange(prompt_len, device=device)[None], cache, None,
-                             logits_from=prompt_len - 1, hidden_layers=hidden_layers, backend=self.attention)
-        cache.commit(prompt_len)
-        first = self._pick(out.logits[0, -1], sampling, generator)
-        result = GenerationResult([], [], 1, 0.0, "length")
-        length = prompt_len
-        state = proposer.start(prompt, max_length)
-        new_hidden = out.hidden[0] if proposer.needs_hidden else None
-        new_layer_hidden = tuple(h[0] for h in out.layer_hidden)
-        pending = [first]
+        with torch.inference_mode():
+            started = time.perf_counter()
+            max_length = prompt_len + max_new_tokens + self.tree_size + 1
+            cache = target.new_cache(1, max_length)
+            history = torch.empty(max_length, dtype=torch.long, device=device)
+            history[:prompt_len] = prompt
+            out = target.forward(prompt[None], torch.arange(prompt_len, device=device)[None], cache, None,
+                                 logits_from=prompt_len - 1, hidden_layers=hidden_layers, backend=self.attention,
+                                 prefix_len=0)
+            cache.commit(prompt_len)
+            first = self._pick(out.logits[0, -1], sampling, generator)
+            result = GenerationResult([], [], 1, 0.0, "length")
+            length = prompt_len
+            state = proposer.start(prompt, max_length)
+            new_hidden = out.hidden[0] if proposer.needs_hidden else None
+            new_layer_hidden = tuple(h[0] for h in out.layer_hidden)
+            pending = [first]
         while True:
-            emitted = self._emit(pending, result, stops, max_new_tokens, stream)
+            emitted = stops.emit(pending, result, max_new_tokens)
             if result.target_forwards > 1:
                 result.accept_lengths.append(len(emitted))
-            history[length:length + len(emitted)] = torch.tensor(emitted, device=device)
-            length += len(emitted)
+            if emitted:
+                yield emitted
             if result.stop_reason != "running":
                 break
-            step = ProposeInput(history[:length], new_hidden, new_layer_hidden, self.tree_size, sampling,
-                                generator)
-            drafting = time.perf_counter()
-            tree = proposer.propose(state, step)
-            result.draft_seconds += time.perf_counter() - drafting
-            path, bonus, out = self._verify(tree, cache, sampling, generator, hidden_layers)
-            result.target_forwards += 1
-            result.tree_sizes.append(tree.size)
-            self._count_depths(result, tree, len(path) - 1)
-            pending = tree.tokens[path[1:]].tolist() + [bonus]
-            if proposer.needs_hidden:
-                index = torch.tensor(path, device=device)
-                new_hidden = out.hidden[0, index]
-                new_layer_hidden = tuple(h[0, index] for h in out.layer_hidden)
+            with torch.inference_mode():
+                history[length:length + len(emitted)] = torch.tensor(emitted, device=device)
+                length += len(emitted)
+                size = self.tree_size if self.sizer is None else self.sizer.choose()
+                step = ProposeInput(history[:length], new_hidden, new_layer_hidden, size, sampling, generator)
+                drafting = time.perf_counter()
+                tree = proposer.propose(state, step)
+                result.draft_seconds += time.perf_counter() - drafting
+                path, bonus, out = self._verify(tree, cache, sampling, generator, hidden_layers)
+                if self.sizer is not None:
+                    # a step's time counts when the tree had the size asked for (lookup that finds nothing
+                    # drafts less); learning costs from timings is off when a seeded sampling run must repeat
+                    timed = tree.size == size and sampling.greedy
+                    seconds = synchronized_seconds(device, drafting) if timed else None
+                    self.sizer.observe(size, tree.max_depth, len(path) - 1, seconds)
+                result.target_forwards += 1
+                result.tree_sizes.append(tree.size)
+                self._count_depths(result, tree, len(path) - 1)
+                pending = tree.tokens[path[1:]].tolist() + [bonus]
+                if proposer.needs_hidden:
+                    index = torch.tensor(path, device=device)
+                    new_hidden = out.hidden[0, index]
+                    new_layer_hidden = tuple(h[0, index] for h in out.layer_hidden)
         result.seconds = time.perf_counter() - started
         return result
 
@@ -143,27 +237,6 @@ class SpeculativeDecoder:
         if sampling.greedy:
             return int(logits.argmax())
         return sample(processed_probs(logits, sampling), generator)
-
-    @staticmethod
-    def _emit(tokens: list[int], result: GenerationResult, stops: set[int], max_new_tokens: int,
-              stream) -> list[int]:
-        """Append tokens up to the first stop token or the length limit; sets result.stop_reason."""
-        room = max_new_tokens - len(result.tokens)
-        emitted = tokens[:room]
-        for i, token in enumerate(emitted):
-            if token in stops:
-                emitted = emitted[: i + 1]
-                break
-        result.tokens.extend(emitted)
-        if emitted and emitted[-1] in stops:
-            result.stop_reason = "stop"
-        elif len(result.tokens) >= max_new_tokens:
-            result.stop_reason = "length"
-        else:
-            result.stop_reason = "running"
-        if stream is not None and emitted:
-            stream(emitted)
-        return emitted
 
     def _verify(self, tree, cache, sampling: SamplingParams, generator, hidden_layers):
         """One target pass over the tree; accept; keep only the accepted path in the cache."""

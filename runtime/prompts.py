@@ -1,7 +1,9 @@
-"""Benchmark and CLI prompts: MT-bench from its PyPI wheel, or a JSONL file; chat-template encoding; batches."""
+"""Benchmark and CLI prompts: MT-bench from its PyPI wheel, or a JSONL file; chat-template encoding; batches; the
+seed of each sample; the chat template's end-of-turn tokens; decoded text of a token stream."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -10,9 +12,17 @@ import torch
 from runtime.assets import MTBENCH_QUESTIONS, packaged_file
 
 
+# End-of-turn markers of common chat templates (ChatML, Llama 3, Gemma, Phi-3): a reply ends with one of them.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|end_of_turn|>")
+PROMPT_LINE_EXAMPLE = '{"prompt": "..."} or {"turns": ["...", ...]}'
+
+
 def read_prompts(path: str | Path | None = None, limit: int | None = None) -> list[dict]:
     """[{"id", "prompt"}] from a JSONL file with a ``prompt`` field or MT-bench's ``turns`` (first turn is used).
-    Without a path: the 80 MT-bench questions."""
+    Without a path: the 80 MT-bench questions. A line that is not such an object is a ValueError naming the file,
+    the line and what the line must look like."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 (the number of prompts to read), got {limit}")
     source = Path(path) if path is not None else packaged_file(MTBENCH_QUESTIONS)
     if not source.is_file():
         raise FileNotFoundError(f"prompts file not found: {source}")
@@ -20,20 +30,105 @@ def read_prompts(path: str | Path | None = None, limit: int | None = None) -> li
     for number, line in enumerate(source.read_text().splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{source}:{number} is not valid JSON ({error.msg})") from None
-        if "prompt" in record:
-            text = record["prompt"]
-        elif record.get("turns"):
-            text = record["turns"][0]
-        else:
-            raise ValueError(f"{source}:{number} has neither a 'prompt' nor a 'turns' field")
-        prompts.append({"id": record.get("id", record.get("question_id", len(prompts))), "prompt": text})
+        record = _prompt_record(line, f"{source}:{number}")
+        prompts.append({"id": record.get("id", record.get("question_id", len(prompts))),
+                        "prompt": _prompt_text(record, f"{source}:{number}")})
         if limit is not None and len(prompts) >= limit:
             break
     return prompts
+
+
+def _prompt_record(line: str, where: str) -> dict:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where} is not valid JSON ({error.msg}); write one JSON object a line: "
+                         f"{PROMPT_LINE_EXAMPLE}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} is a JSON {type(record).__name__}, not an object; write one JSON object a line: "
+                         f"{PROMPT_LINE_EXAMPLE}")
+    return record
+
+
+def _prompt_text(record: dict, where: str) -> str:
+    """The prompt of one line: ``prompt``, else the first of ``turns``, each a string (a bare string in ``turns``
+    would otherwise give its first character)."""
+    if "prompt" in record:
+        text = record["prompt"]
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: 'prompt' must be a string, got a {type(text).__name__}; write "
+                             f"{PROMPT_LINE_EXAMPLE}")
+        return text
+    turns = record.get("turns")
+    if turns is None:
+        raise ValueError(f"{where} has neither a 'prompt' nor a 'turns' field; write {PROMPT_LINE_EXAMPLE}")
+    if not (isinstance(turns, list) and turns and isinstance(turns[0], str)):
+        raise ValueError(f"{where}: 'turns' must be a non-empty list of strings (the user turns), got {turns!r}; "
+                         f"write {PROMPT_LINE_EXAMPLE}")
+    return turns[0]
+
+
+def prompt_seed(seed: int, prompt_index: int, sample_index: int = 0) -> int:
+    """The random seed of sample ``sample_index`` of prompt ``prompt_index`` in a run seeded with ``seed``.
+
+    Every (prompt, sample) gets its own stream, so a prompt repeated in a file, or drawn several times, gives
+    independent samples, and the same run gives the same outputs. A hash, not ``seed + index``: with a sum, run 7's
+    second prompt would replay run 8's first.
+    """
+    if prompt_index < 0 or sample_index < 0:
+        raise ValueError(f"prompt_index and sample_index must be >= 0, got {prompt_index} and {sample_index}")
+    digest = hashlib.blake2b(f"{int(seed)}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # 63 bits: within what torch.Generator.manual_seed takes
+
+
+def end_of_turn_token_ids(tokenizer) -> set[int]:
+    """The ids that end a reply: the tokenizer's end-of-sequence token and the end-of-turn markers its chat
+    template writes (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, ...), each where it is a single token.
+
+    A chat model ends its turn with the template's marker, which need not be its EOS token (Llama 3 ends turns with
+    ``<|eot_id|>`` but its EOS is ``<|end_of_text|>``); decoding on past it writes the next turn.
+    """
+    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if not isinstance(template, str):  # several named templates: look in all of them
+        template = " ".join(template.values()) if isinstance(template, dict) else ""
+    for marker in END_OF_TURN_TOKENS:
+        if marker not in template:
+            continue
+        token_id = tokenizer.convert_tokens_to_ids(marker)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
+    return ids
+
+
+class TextStream:
+    """The decoded text of a growing list of tokens, handed out piece by piece as it is ready to show.
+
+    Chunks are decoded together with everything before them: a character split across tokens (UTF-8 bytes) or a
+    word whose spacing depends on the previous token decodes right only in context. A piece is held back while the
+    text ends in an unfinished character, or while the text no longer extends what was shown.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.shown = ""
+
+    def push(self, tokens: list[int]) -> str:
+        """Add accepted tokens; returns the new text ready to show (may be empty)."""
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd") or not text.startswith(self.shown):
+            return ""
+        piece, self.shown = text[len(self.shown):], text
+        return piece
+
+    def finish(self) -> str:
+        """The text not yet shown, once the stream has ended."""
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        piece = text[len(self.shown):] if text.startswith(self.shown) else ""
+        self.shown = text
+        return piece
 
 
 def encode_prompt(tokenizer, text: str) -> torch.Tensor:

@@ -47,6 +47,14 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return scores.softmax(-1)
 
 
+def new_generator(seed: int | None) -> torch.Generator:
+    """The random stream of one generation: a CPU generator whatever the model's device, so a seed gives the same
+    draws on CPU and GPU and every draw goes through the same code (``sample`` and the acceptance tests)."""
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(seed if seed is not None else torch.seed())
+    return generator
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token id from [V] probabilities."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """Draw one token id from [V] probabilities (on any device) with a CPU ``generator`` (``new_generator``)."""
+    return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))

@@ -140,6 +140,8 @@ class Target:
         ``logits_from ..`` only (a prefill needs just the last one). ``hidden_layers`` are decoder-layer indices
         whose inputs are returned (layer i's input is hidden_states[i]).
         """
+        if prefix_len is None:  # the committed cache, which every new row sees whole
+            prefix_len = int(cache.lengths.min())
         with self._runtime_layers():
             outputs = self.backbone(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                                     use_cache=True, **cache_argument(self.backbone, cache),
@@ -150,10 +152,20 @@ class Target:
             return TargetOutput(self.logits(hidden[:, logits_from:]), hidden, layer_hidden)
 
 
+GGUF_MAGIC = b"GGUF"
+
+
 def _float_cache_for_gguf(gguf_path: Path) -> Path:
-    stat = gguf_path.stat()
-    key = hashlib.sha1(f"{gguf_path.name}:{stat.st_size}".encode()).hexdigest()[:10]
-    return cache_dir() / "models" / f"{gguf_path.stem}-{key}"
+    """Where the dequantized copy of ``gguf_path`` lives: keyed on the file's content, so another file under the same
+    name (and size) never loads a copy made from the first."""
+    with open(gguf_path, "rb") as handle:
+        if handle.read(4) != GGUF_MAGIC:
+            raise ValueError(f"{gguf_path} is not a GGUF file (it does not start with {GGUF_MAGIC!r}); pass a .gguf "
+                             f"model file, a model directory or an HF model id")
+        content = hashlib.sha256(GGUF_MAGIC)
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            content.update(block)
+    return cache_dir() / "models" / f"{gguf_path.stem}-{content.hexdigest()[:16]}"
 
 
 def _load_gguf(gguf_path: Path, dtype: torch.dtype, attn: str, quiet: bool):
@@ -178,9 +190,25 @@ def _load_gguf(gguf_path: Path, dtype: torch.dtype, attn: str, quiet: bool):
         if float_dir.exists():
             raise RuntimeError(f"{float_dir} exists but has no config.json; delete it and retry")
         os.replace(partial, float_dir)
-    model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=dtype, attn_implementation=attn)
+    model = _from_pretrained_complete(str(float_dir), dtype=dtype, attn_implementation=attn)
     tokenizer = AutoTokenizer.from_pretrained(float_dir)
     return model, tokenizer
+
+
+def _from_pretrained_complete(name_or_path: str, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` that refuses to make up weights: transformers initialises any weight
+    the checkpoint lacks at random (a config whose layer count no longer matches the weights, a truncated file) and
+    only warns; a target with random layers would decode garbage."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
+    missing = [key for key in info.get("missing_keys", ()) if "rotary_emb" not in key]
+    if missing:
+        shown = ", ".join(sorted(missing)[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise ValueError(f"{name_or_path}: the weights lack {len(missing)} tensors the config asks for ({shown}); "
+                         f"the config does not match the weights (e.g. num_hidden_layers changed) or the checkpoint "
+                         f"is incomplete. Fix the config or the checkpoint; a model with made-up weights is refused.")
+    return model
 
 
 def resolve_target(name_or_path: str) -> tuple[str, Path | None]:
@@ -210,7 +238,7 @@ def load_target(name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "
     ``target.model`` is a stock transformers model in eval mode with ``attn_implementation`` (what HF ``generate``
     and training use); the runtime's own passes switch on tree attention and the decode layers for their duration.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)
     identity, gguf_path = resolve_target(name_or_path)
@@ -220,9 +248,8 @@ def load_target(name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "
         local = Path(name_or_path).expanduser()
         if (name_or_path.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").is_file():
             raise FileNotFoundError(f"{local} is not a model directory (no config.json)")
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype,
-                                                     attn_implementation=attn_implementation,
-                                                     trust_remote_code=trust_remote_code)
+        model = _from_pretrained_complete(name_or_path, dtype=torch_dtype, attn_implementation=attn_implementation,
+                                          trust_remote_code=trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     model = model.to(device).eval()
     for parameter in model.parameters():  # a model loaded here is ours to freeze

@@ -19,11 +19,11 @@ import torch
 
 from runtime.benchmark import (default_methods, describe_divergences, markdown_table, method_from_json, rescore,
                                run_benchmark)
-from runtime.prompts import read_prompts
 from runtime.proposers import NoShippedHead
 from runtime.target import DEFAULT_TARGET, load_target
 
-from cli import check_early_exit, missing_head, parse_method, parse_methods  # scripts/cli.py
+from cli import (check_early_exit, check_output_path, missing_head, non_negative_float, parse_method,  # scripts/cli.py
+                 parse_methods, positive_int, read_prompts_or_exit)
 
 DEFAULT_METHODS = "hf-greedy,hf-pld,none,ngram"
 
@@ -41,13 +41,13 @@ def parse_args(argv=None):
                                           "N layers (default: a quarter of them)")
     parser.add_argument("--draft-model")
     parser.add_argument("--prompts", help="JSONL prompts (default: MT-bench first turns)")
-    parser.add_argument("--limit", type=int)
-    parser.add_argument("--stride", type=int, default=1,
+    parser.add_argument("--limit", type=positive_int, help="use only the first N prompts (after --stride)")
+    parser.add_argument("--stride", type=positive_int, default=1,
                         help="every Nth prompt (4: 20 MT-bench first turns from every category)")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256)
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--tree-size", type=int, help="fix the tree size (default: from the cost curve)")
+    parser.add_argument("--tree-size", type=positive_int, help="fix the tree size (default: from the cost curve)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="results.json")
@@ -76,9 +76,9 @@ def main(argv=None) -> int:
         return rescore_file(Path(args.rescore), args.device)
     methods = (parse_methods(args.methods, draft_model=args.draft_model) if args.methods else
                default_methods(args.target, args.draft_model))
-    prompts = read_prompts(args.prompts)[:: args.stride][: args.limit]
-    if not prompts:
-        raise SystemExit("error: --prompts/--limit/--stride select no prompt")
+    prompts = read_prompts_or_exit(args.prompts)[:: args.stride][: args.limit]
+    check_output_path(args.output)
+    check_output_path(args.plot, "--plot")
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     check_early_exit(methods, target.num_layers)
     output = Path(args.output)

@@ -8,11 +8,18 @@ Benchmark methods (``--methods``): a proposer as above, optionally ``@N`` (its v
 ``hf-pld`` (either with ``-bf16`` / ``-fp32``: on a copy of the target in that dtype), ``hf-assisted`` (with
 ``--draft-model``), ``hf-early-exit[:N]`` -> ``runtime.benchmark.HFBaseline`` / ``DecoderMethod``.
 
+Numbers (``positive_int``, ``non_negative_float``, ``probability``: argparse ``type=`` functions), the output path
+(``check_output_path``) and the prompts file (``read_prompts_or_exit``) are checked the same way in every script.
+
 Mistakes are reported as command-line errors naming the flag (SystemExit), before anything is loaded. The scripts
 import this module as a sibling (``from cli import ...``): Python puts scripts/ first on sys.path when it runs one.
 """
 
 from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
 
 from runtime.benchmark import DecoderMethod, HFBaseline, Method
 from runtime.proposers import NoShippedHead, Proposer, build_proposer
@@ -27,6 +34,64 @@ HF_NAMES = ("hf-greedy", "hf-pld", "hf-assisted", EARLY_EXIT)
 
 def usage_error(flag: str, message: str) -> SystemExit:
     return SystemExit(f"error: {flag}: {message}")
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 1 (counts and sizes: 0 or less would select or generate nothing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a whole number of 1 or more") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer; give 1 or more")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse ``type=``: a finite number >= 0 (a temperature: nan or inf would fail deep inside sampling)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a number of 0 or more") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number >= 0; give 0 (greedy) or more")
+    return value
+
+
+def probability(text: str) -> float:
+    """argparse ``type=``: a number in (0, 1] (top-p: the probability mass to keep)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give one in (0, 1]") from None
+    if not 0 < value <= 1:  # also false for nan
+        raise argparse.ArgumentTypeError(f"{text} is outside (0, 1]; give a probability mass such as 0.9")
+    return value
+
+
+def check_output_path(path: str | None, flag: str = "--output") -> None:
+    """An output file the script can write once it has done its work: its directory exists, it is not a directory."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise usage_error(flag, f"{path} is a directory; give a file name (e.g. {target / 'out.jsonl'})")
+    if not target.parent.is_dir():
+        raise usage_error(flag, f"the directory of {path} does not exist; create it first (mkdir -p "
+                                f"{target.parent}) or write elsewhere")
+
+
+def read_prompts_or_exit(path: str | None, limit: int | None = None, flag: str = "--prompts") -> list[dict]:
+    """``runtime.prompts.read_prompts``, with a missing or malformed file reported as a command-line error."""
+    from runtime.prompts import PROMPT_LINE_EXAMPLE, read_prompts
+
+    try:
+        prompts = read_prompts(path, limit)
+    except (OSError, ValueError) as error:
+        raise usage_error(flag, str(error)) from None
+    if not prompts:
+        raise usage_error(flag, f"{path} holds no prompt; write one JSON object a line: {PROMPT_LINE_EXAMPLE}")
+    return prompts
 
 
 def parse_proposer(text: str, *, head: str | None = None, draft_model: str | None = None,
@@ -61,11 +126,16 @@ def missing_head(error: NoShippedHead, flag: str = "--proposer", how: str = "--h
 
 
 def build_proposer_or_exit(spec: ProposerSpec, target, flag: str = "--proposer", how: str = "--head DIR") -> Proposer:
-    """``build_proposer``, with a missing head reported as a command-line error."""
+    """``build_proposer``, with a missing head, and a head that does not load for this target (another target's, a
+    broken config, Medusa-2 adapters not merged in), reported as command-line errors."""
     try:
         return build_proposer(spec, target)
     except NoShippedHead as error:
         raise missing_head(error, flag, how) from None
+    except (OSError, ValueError) as error:
+        if spec.name not in HEAD_PROPOSERS:
+            raise
+        raise usage_error(flag, str(error)) from None
 
 
 def parse_method(text: str, *, draft_model: str | None = None, flag: str = "--methods") -> Method:

@@ -6,54 +6,114 @@
 EAGLE-3 -> LlamaForCausalLMEagle3 (fc, midlayer.*, norm, lm_head, d2t, t2d); EAGLE-1 -> LlamaForCausalLMEagle
 (fc, layers.0.*); Medusa -> vLLM's medusa layout (blocks.{h}.layers.{l}, lm_heads.{h}). SGLang and vLLM read the
 same files.
+
+Every export holds a marker file (headstart_export.json). OUT and --merged-target are replaced only when they are
+missing, empty or an earlier export; anything else (a run directory, say) needs --force. A merged target records
+which adapters it holds, so the runtime loads the Medusa-2 head with it: --target MERGED_DIR --head HEAD.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from heads.io import atomic_directory, export_head, load_head, read_head_config
+from heads.io import (MERGED_ADAPTERS_KEY, adapter_fingerprint, export_destination_problem, export_head, load_head,
+                      read_head_config, target_adapters, write_export)
 from runtime.target import load_target, parse_dtype
 
+from cli import usage_error  # scripts/cli.py
 
-def main() -> None:
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("head", type=Path, help="head directory written by training (OUTPUT_DIR/head)")
-    parser.add_argument("out", type=Path, help="output directory")
+    parser.add_argument("out", type=Path, help="output directory (missing, empty or an earlier export)")
     parser.add_argument("--target", default=None, help="target name (default: the one the head was trained for)")
     parser.add_argument("--dtype", default=None, help="cast weights (bfloat16, float16, float32)")
     parser.add_argument("--merged-target", type=Path, default=None,
                         help="Medusa-2: also write the target with the head's LoRA adapters merged into this dir")
+    parser.add_argument("--force", action="store_true",
+                        help="replace OUT and --merged-target even when they are not earlier exports")
     parser.add_argument("--trust-remote-code", action="store_true")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
-    saved = read_head_config(args.head)
+
+def check_destinations(args) -> None:
+    """Before anything loads: no output may hold the head being exported (not even with --force), the two outputs
+    may not overlap, and each must be missing, empty or an earlier export unless --force."""
+    head = args.head.resolve()
+    outputs = {"OUT": args.out} | ({"--merged-target": args.merged_target} if args.merged_target else {})
+    for flag, path in outputs.items():
+        resolved = path.resolve()
+        if resolved == head or resolved in head.parents:
+            raise usage_error(flag, f"{path} holds the head directory {args.head}; replacing it would delete the "
+                                    "head being exported. Choose another output directory")
+        problem = None if args.force else export_destination_problem(path)
+        if problem:
+            raise usage_error(flag, f"{problem}. Choose a new or empty directory, or pass --force to replace it")
+    if args.merged_target:
+        out, merged = args.out.resolve(), args.merged_target.resolve()
+        if out == merged or out in merged.parents or merged in out.parents:
+            raise usage_error("--merged-target", f"{args.merged_target} and OUT ({args.out}) overlap; the head and "
+                                                 "the merged target each need a directory of their own")
+
+
+def check_head(args) -> tuple[dict, Path | None]:
+    """The head's config and its Medusa-2 adapters (None for other heads), as command-line errors."""
+    try:
+        saved = read_head_config(args.head)
+        adapters = target_adapters(args.head, saved)
+    except (OSError, ValueError) as error:
+        raise usage_error("HEAD", str(error)) from None
+    if args.merged_target is not None and adapters is None:
+        raise usage_error("--merged-target", f"{args.head} has no target LoRA adapters (training.target_lora); "
+                                             "--merged-target is for Medusa-2 heads: drop it")
+    if args.dtype is not None:
+        try:
+            parse_dtype(args.dtype)
+        except ValueError as error:
+            raise usage_error("--dtype", str(error)) from None
+    return saved, adapters
+
+
+def write_merged_target(target, adapters: Path, out: Path, dtype, force: bool) -> None:
+    """The target with ``adapters`` merged in, marked with their fingerprint for the runtime's check."""
+    from peft import PeftModel
+
+    merged = PeftModel.from_pretrained(target.model, str(adapters)).merge_and_unload()
+    if dtype is not None:
+        merged = merged.to(dtype)
+    setattr(merged.config, MERGED_ADAPTERS_KEY, adapter_fingerprint(adapters))
+
+    def fill(tmp: Path) -> None:
+        merged.save_pretrained(tmp)
+        target.tokenizer.save_pretrained(tmp)
+
+    write_export(out, fill, "merged-target", force=force)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    saved, adapters = check_head(args)
+    check_destinations(args)
     name = args.target or saved["target"].get("identity")
     if not name:
-        raise SystemExit("the head does not record its target; pass --target")
+        raise usage_error("--target", "the head does not record its target; name it with --target")
     target = load_target(name, trust_remote_code=args.trust_remote_code, attn_implementation="sdpa")
     head = load_head(args.head, target.model, identity=target.identity, tokenizer=target.tokenizer)
     dtype = parse_dtype(args.dtype) if args.dtype else None
-    export_head(head, args.out, dtype)
+    export_head(head, args.out, dtype, force=args.force)
     print(f"exported {saved['head_type']} head to {args.out}")
+    if adapters is not None and args.merged_target is None:
+        print(f"note: {args.head} was trained with LoRA adapters on its target (Medusa-2); serve it with the target "
+              "they are merged into: add --merged-target DIR", file=sys.stderr)
     if args.merged_target is not None:
-        adapter = args.head / (saved["training"].get("target_lora") or "target_lora")
-        if not adapter.is_dir():
-            raise SystemExit(f"{args.head} has no LoRA adapters ({adapter}); --merged-target is for Medusa-2 heads")
-        from peft import PeftModel
-
-        merged = PeftModel.from_pretrained(target.model, str(adapter)).merge_and_unload()
-        if dtype is not None:
-            merged = merged.to(dtype)
-
-        def fill(tmp: Path) -> None:
-            merged.save_pretrained(tmp)
-            target.tokenizer.save_pretrained(tmp)
-
-        atomic_directory(args.merged_target, fill)
-        print(f"merged target written to {args.merged_target}")
+        write_merged_target(target, adapters, args.merged_target, dtype, args.force)
+        print(f"merged target written to {args.merged_target}; run it with --target {args.merged_target} "
+              f"--head {args.head}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

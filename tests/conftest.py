@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, Gemma2Config, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config
 
 from runtime.target import target_from_model
 
@@ -17,6 +17,9 @@ COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_att
               pad_token_id=None, tie_word_embeddings=False)
 
 
+SLIDING_WINDOW = 6
+
+
 def tiny_config(arch: str, vocab_size: int = 64, **overrides):
     kwargs = {**COMMON, "vocab_size": vocab_size, **overrides}
     if arch == "llama":
@@ -25,6 +28,15 @@ def tiny_config(arch: str, vocab_size: int = 64, **overrides):
         return Qwen2Config(**kwargs)
     if arch == "gemma":
         return GemmaConfig(head_dim=8, **kwargs)
+    # Sliding-window families, with a window far shorter than the test prompts: every layer (Mistral), the layers
+    # from max_window_layers on (Qwen2), every other layer with attention and final logit soft-capping (Gemma-2).
+    if arch == "mistral":
+        return MistralConfig(**{"sliding_window": SLIDING_WINDOW, **kwargs})
+    if arch == "qwen2-sliding":
+        return Qwen2Config(**{"use_sliding_window": True, "sliding_window": SLIDING_WINDOW, "max_window_layers": 1,
+                              **kwargs})
+    if arch == "gemma2":
+        return Gemma2Config(**{"head_dim": 8, "sliding_window": SLIDING_WINDOW, **kwargs})
     raise ValueError(arch)
 
 

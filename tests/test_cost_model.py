@@ -1,12 +1,11 @@
-"""Tree sizing from a cost curve, on hand-built curves."""
+"""Tree sizing: the cost curve's best size by hand, and the adaptive sizer on hand-built costs and acceptance."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
-from runtime.cost_model import best_tree_size, choose_tree_size, expected_tokens
+from runtime.cost_model import best_tree_size, expected_tokens
+from runtime.tree_sizing import DepthAcceptance, TreeSizer
 
 
 def test_expected_tokens_by_hand():
@@ -22,18 +21,93 @@ def test_best_tree_size_by_hand():
     assert best_tree_size(curve, 0.1) == 1
 
 
-def test_a_measured_tree_size_wins_over_the_cost_model():
-    tuned = SimpleNamespace(tree_size=4, expected_acceptance=0.3)
-    assert choose_tree_size(None, tuned) == 4  # no target needed: the cost curve is not consulted
-    assert choose_tree_size(None, SimpleNamespace(tree_size=None, expected_acceptance=0.0)) == 1
+def test_depth_acceptance_is_conditional_on_the_depth_above():
+    acceptance = DepthAcceptance(prior=0.5, prior_weight=2)
+    acceptance.observe(drafted_depth=3, accepted_depth=1)  # depth 1 taken, depth 2 tried and missed, depth 3 unseen
+    acceptance.observe(drafted_depth=3, accepted_depth=3)
+    assert acceptance.attempts == [2, 2, 1] and acceptance.accepts == [2, 1, 1]
+    assert acceptance.rate(1) == pytest.approx((2 + 1) / (2 + 2))
+    assert acceptance.rate(3) == pytest.approx((1 + 1) / (1 + 2))
+    assert acceptance.rate(4) == 0.5  # never tried: the prior
+    assert acceptance.expected_tokens(2) == pytest.approx(1 + 0.75 + 0.75 * 0.5)
 
 
-def test_every_proposer_states_its_tree_size_or_leaves_it_to_the_cost_model():
-    from runtime.proposers import DraftModelProposer, NgramProposer, NoProposer
-    from runtime.proposers.eagle import EagleProposer
-    from runtime.proposers.medusa import MedusaProposer
+def run(sizer: TreeSizer, steps: int, accepted, seconds) -> list[int]:
+    """Drive the sizer: ``accepted(size)`` drafts accepted, ``seconds(size)`` per step."""
+    chosen = []
+    for _ in range(steps):
+        size = sizer.choose()
+        chosen.append(size)
+        sizer.observe(size, size - 1, min(accepted(size), size - 1), seconds(size))
+    return chosen
 
-    assert NoProposer.tree_size == 1
-    assert NgramProposer.tree_size is None and DraftModelProposer.tree_size is None
-    for cls in (EagleProposer, MedusaProposer):  # per instance, from the head's config
-        assert "tree_size" in cls.__init__.__code__.co_varnames
+
+def test_a_pessimistic_curve_is_corrected_by_probing_and_timings():
+    """A curve that says two tokens cost 1.9x one switches speculation off at first; probes measure the real cost
+    (1.05x) and the acceptance, and the sizer settles on speculating."""
+    sizer = TreeSizer({1: 1.0, 2: 1.9, 4: 2.6, 8: 4.0}, prior_acceptance=0.45, probe_every=8)
+    assert sizer.best() == 1
+    # two drafts accepted whenever drafted: a tree of 4 (three deep) is the best value
+    chosen = run(sizer, 200, accepted=lambda size: 2, seconds=lambda size: 0.010 * (1 + 0.05 * size))
+    assert chosen[0] == 1 and chosen[7] == 2  # the first probe goes upwards from plain decoding
+    assert set(chosen[-40:]) - {4} <= {2, 8}  # settled on 4, its neighbours probed now and then
+    assert sizer.report()["sizes"][4] > 100
+
+
+def test_speculation_that_never_pays_goes_off_and_is_still_probed():
+    sizer = TreeSizer({1: 1.0, 2: 1.05, 4: 1.2}, prior_acceptance=0.6, probe_every=10)
+    chosen = run(sizer, 100, accepted=lambda size: 0, seconds=lambda size: 0.01 * (1 + 0.1 * size))
+    assert chosen[-20:].count(1) >= 18  # plain decoding wins once nothing is ever accepted
+    assert 2 in chosen[-20:]  # and a bigger tree is still tried now and then
+
+
+def test_a_measured_start_size_is_kept_until_the_first_probe():
+    sizer = TreeSizer({1: 1.0, 2: 1.9, 4: 2.6}, prior_acceptance=0.3, start=4, probe_every=16)
+    assert sizer.started and sizer.current == 4
+    chosen = run(sizer, 4, accepted=lambda size: size - 1, seconds=lambda size: None)
+    assert chosen == [4, 4, 4, 2]  # the first probe, at step 4, tries the size below (4 is the largest)
+
+
+def test_timings_are_ignored_when_costs_must_not_move():
+    sizer = TreeSizer({1: 1.0, 2: 1.9}, prior_acceptance=0.5, probe_every=4, learn_costs=False)
+    run(sizer, 40, accepted=lambda size: size - 1, seconds=lambda size: 0.01)
+    assert sizer.seconds == {} and sizer.cost(2) == 1.9
+
+
+def test_the_quick_start_speculates_even_from_a_pessimistic_cached_curve(monkeypatch):
+    """The reported failure: a cached curve saying two tokens cost 1.92x one made ngram draft nothing for good.
+    With adaptive sizing the decoder starts at plain decoding, probes, learns and speculates (tau > 1), and the
+    output stays the target's greedy output."""
+    import runtime.cost_model
+    from runtime.decoder import SpeculativeDecoder
+    from runtime.proposers import NgramProposer
+    from runtime.target import target_from_model
+    from tests.conftest import tiny_model
+    from tests.test_greedy_equality import hf_greedy
+
+    monkeypatch.setattr(runtime.cost_model, "cost_curve", lambda target: {1: 1.0, 2: 1.92, 4: 2.6, 8: 4.0})
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=64), identity="tiny")
+    decoder = SpeculativeDecoder(target, NgramProposer())
+    assert decoder.tree_size_reason.startswith("adaptive, starting at 1") and decoder.tree_size == 8
+    prompt = [1, 2, 3, 1, 2, 3, 1]
+    result = decoder.generate(prompt, 200)
+    assert result.tokens == hf_greedy("llama", prompt, 200)
+    assert result.tree_sizes[0] == 1 and max(result.tree_sizes) > 1
+    assert result.tau > 1.2
+    assert sum(decoder.tree_size_report()["sizes"].values()) == len(result.tree_sizes)
+
+
+def test_timings_wait_for_the_device(monkeypatch):
+    """CUDA runs kernels asynchronously: a timing must synchronise first (checked here without a GPU)."""
+    import time
+
+    import torch
+
+    from runtime.cost_model import synchronized_seconds
+
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    started = time.perf_counter()
+    assert synchronized_seconds(torch.device("cuda", 0), started) >= 0 and waited == [torch.device("cuda", 0)]
+    synchronized_seconds(torch.device("cpu"), started)
+    assert len(waited) == 1

@@ -38,11 +38,12 @@ def test_every_proposer_matches_hf_greedy(arch):
     target = target_from_model(tiny_model(arch, seed=0, vocab_size=VOCAB), identity="tiny")
     references = [hf_greedy(arch, prompt, NEW_TOKENS) for prompt in PROMPTS]
     for name, proposer in proposers(target, arch).items():
-        for tree_size in (1, 8):
-            decoder = SpeculativeDecoder(target, proposer, tree_size=tree_size)
+        # cascade: the flash-attn decode path, here with its reference prefix kernel (flash-attn needs CUDA)
+        for tree_size, attention in ((1, "sdpa"), (8, "sdpa"), (1, "cascade"), (8, "cascade")):
+            decoder = SpeculativeDecoder(target, proposer, tree_size=tree_size, attention=attention)
             for prompt, reference in zip(PROMPTS, references):
                 result = decoder.generate(prompt, NEW_TOKENS)
-                assert result.tokens == reference, f"{arch}/{name}/T={tree_size}: output differs"
+                assert result.tokens == reference, f"{arch}/{name}/T={tree_size}/{attention}: output differs"
                 assert sum(result.accept_lengths) + 1 == NEW_TOKENS or result.stop_reason == "stop"
                 assert result.target_forwards == len(result.accept_lengths) + 1
 
@@ -111,3 +112,53 @@ def test_typical_acceptance_at_temperature_zero_is_greedy():
     assert result.tokens == reference
     with pytest.raises(ValueError, match="typical"):
         SpeculativeDecoder(target, proposer, tree_size=8, acceptance="lossy")
+
+
+def test_stop_strings_end_generation_at_the_token_that_completes_them():
+    from tests.tiny_training import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    model = tiny_model("llama", seed=0, vocab_size=len(tokenizer))
+    target = target_from_model(model, tokenizer, identity="tiny")
+    prompt = tokenizer("abc abc abc")["input_ids"]
+    free = SpeculativeDecoder(target, NgramProposer(), tree_size=6).generate(prompt, NEW_TOKENS, stop_token_ids=[])
+    text = tokenizer.decode(free.tokens)
+    stop = text[7:10]  # a string the free-running output contains; it ends inside the output
+    end = next(n for n in range(1, len(free.tokens) + 1) if stop in tokenizer.decode(free.tokens[:n]))
+    for tree_size in (1, 6):
+        result = SpeculativeDecoder(target, NgramProposer(), tree_size=tree_size).generate(
+            prompt, NEW_TOKENS, stop_token_ids=[], stop_strings=["never there", stop])
+        assert result.tokens == free.tokens[:end] and result.stop_reason == "stop"
+    with pytest.raises(ValueError, match="stop_strings need a tokenizer"):
+        SpeculativeDecoder(target_from_model(model, None), None, tree_size=1).generate(prompt, 4, stop_strings=["a"])
+
+
+def test_streaming_iterator_yields_what_generate_returns():
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    decoder = SpeculativeDecoder(target, NgramProposer(), tree_size=8)
+    expected = decoder.generate(PROMPTS[1], NEW_TOKENS)
+    chunks = decoder.stream_tokens(PROMPTS[1], NEW_TOKENS)
+    received = []
+    while True:
+        try:
+            received.append(next(chunks))
+        except StopIteration as finished:
+            result = finished.value
+            break
+    assert [t for chunk in received for t in chunk] == expected.tokens == result.tokens
+    assert [len(chunk) for chunk in received[1:]] == result.accept_lengths  # the first chunk is the prefill's token
+
+
+def test_auto_attention_takes_flash_attn_only_where_it_runs(monkeypatch):
+    """The CUDA-only choice, decided on CPU: flash-attn takes fp16/bf16 on CUDA, nothing else."""
+    import importlib.util
+
+    from runtime import attention
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name))
+    cuda = torch.device("cuda")
+    assert attention.default_backend(cuda, torch.bfloat16) == "cascade"
+    assert attention.default_backend(cuda, torch.float16) == "cascade"
+    assert attention.default_backend(cuda, torch.float32) == "sdpa"  # flash-attn has no fp32 kernel
+    assert attention.default_backend(torch.device("cpu"), torch.bfloat16) == "sdpa"

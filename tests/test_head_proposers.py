@@ -63,10 +63,11 @@ def test_head_proposers_match_hf_greedy(arch):
     target = target_from_model(tiny_model(arch, seed=0, vocab_size=VOCAB), identity="tiny")
     references = [hf_greedy(arch, prompt, 40) for prompt in PROMPTS]
     for name, proposer in head_proposers(target).items():
-        decoder = SpeculativeDecoder(target, proposer, tree_size=10)
-        for prompt, reference in zip(PROMPTS, references):
-            result = decoder.generate(prompt, 40)
-            assert result.tokens == reference, f"{arch}/{name}"
+        for attention in ("sdpa", "cascade"):
+            decoder = SpeculativeDecoder(target, proposer, tree_size=10, attention=attention)
+            for prompt, reference in zip(PROMPTS, references):
+                result = decoder.generate(prompt, 40)
+                assert result.tokens == reference, f"{arch}/{name}/{attention}"
             assert max(result.tree_sizes) > 1, f"{name} never drafted"
 
 
@@ -126,7 +127,8 @@ def test_saved_heads_load_into_proposers_by_spec(tmp_path):
     combined = build_proposer(ProposerSpec("medusa", head=str(medusa_dir), lookup_first=True), target)
     assert combined.name == "medusa+ngram" and combined.tree_size == 3 and combined.head.head_accuracy[0] == 0.7
     assert eagle.tree_size is None and medusa.tree_size == 3  # a measured size in the config is the default
-    assert SpeculativeDecoder(target, medusa).tree_size == 3
+    adaptive = SpeculativeDecoder(target, medusa)  # the measured size is where adaptive sizing starts
+    assert adaptive.sizer.current == 3 and "measured size" in adaptive.tree_size_reason
     bf16 = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB).to(torch.bfloat16), identity="tiny")
     assert build_proposer(ProposerSpec("medusa", head=str(medusa_dir)), bf16).tree_size is None  # float32 only
     bf16_combined = build_proposer(ProposerSpec("medusa", head=str(medusa_dir), lookup_first=True), bf16)

@@ -40,8 +40,8 @@ def exact_joint(params: SamplingParams) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3.view(VOCAB, VOCAB, VOCAB)
 
 
-def empirical_p_value(proposer, params: SamplingParams, tree_size: int = 4) -> float:
-    target = target_from_model(model(0), identity="tiny")
+def empirical_p_value(proposer, params: SamplingParams, tree_size: int = 4, device: str = "cpu") -> float:
+    target = target_from_model(model(0).to(device), identity="tiny")
     decoder = SpeculativeDecoder(target, proposer(target) if proposer else None, tree_size=tree_size)
     counts = torch.zeros(VOCAB ** 3)
     for seed in range(SAMPLES):
@@ -59,7 +59,8 @@ def empirical_p_value(proposer, params: SamplingParams, tree_size: int = 4) -> f
 
 
 def draft(target, mode):
-    return DraftModelProposer(target_from_model(model(1), identity="draft"), target, mode, depth=3, top_k=2)
+    return DraftModelProposer(target_from_model(model(1).to(target.device), identity="draft"), target, mode, depth=3,
+                              top_k=2)
 
 
 PROPOSERS = {
@@ -101,3 +102,24 @@ def test_a_broken_acceptance_rule_is_detected(monkeypatch):
     monkeypatch.setattr(runtime.decoder, "rejection_accept", accept_without_residual)
     assert empirical_p_value(PROPOSERS["draft-chain-sampled"], SamplingParams(temperature=1.0)) < 1e-6
     monkeypatch.setattr(runtime.decoder, "rejection_accept", rejection_accept)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["draft-tree", "draft-chain-sampled", "random"])
+def test_distribution_matches_target_on_cuda(name):
+    """The same draws (a CPU generator) and acceptance code with the models on the GPU."""
+    assert empirical_p_value(PROPOSERS[name], SamplingParams(temperature=1.0), device="cuda") > 1e-3
+
+
+def test_random_draws_use_a_cpu_generator_whatever_the_device():
+    """The CPU twin of the CUDA path: the decoder's generator is a CPU one, so draws do not depend on the device
+    and go through the same code (a CUDA generator cannot drive the CPU draws of the acceptance test)."""
+    from runtime.sampling import new_generator, sample
+
+    generator = new_generator(7)
+    assert generator.device.type == "cpu"
+    probs = torch.tensor([0.1, 0.2, 0.7])
+    first = [sample(probs, generator) for _ in range(20)]
+    again = new_generator(7)
+    assert [sample(probs, again) for _ in range(20)] == first

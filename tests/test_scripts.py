@@ -4,9 +4,6 @@ target's tokenizer."""
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,38 +13,15 @@ from transformers import AutoTokenizer
 from runtime.benchmark import (DecoderMethod, ForwardCounter, HFBaseline, HFModels, early_exit_layers,
                                first_divergence, method_from_json, method_to_json, run_hf)
 from runtime.proposers import NgramProposer, NoProposer, ProposerSpec, build_proposer
-from runtime.target import DEFAULT_TARGET, _float_cache_for_gguf, load_target, resolve_target
+from runtime.target import load_target
 from tests.conftest import tiny_model
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def run_script(script: str, *args, check: bool = True, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """``python scripts/SCRIPT ARGS`` from the repository root; fails the test with the script's stderr."""
-    command = [sys.executable, *(["-c", args[0], *args[1:]] if script == "-c" else [f"scripts/{script}", *args])]
-    # one thread, like the test process: the subprocess must not fight the other core's work
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-    result = subprocess.run([str(part) for part in command], cwd=cwd, capture_output=True, text=True, env=env,
-                            timeout=900)
-    if check and result.returncode != 0:
-        raise AssertionError(f"{script} exited with {result.returncode}:\n{result.stderr[-4000:]}")
-    return result
+from tests.script_runs import REPO, default_tokenizer, run_script, save_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A 1-layer random model with SmolLM2's vocabulary and chat template, saved like any HF checkpoint."""
-    _, gguf = resolve_target(DEFAULT_TARGET)
-    float_dir = _float_cache_for_gguf(gguf)
-    if not (float_dir / "config.json").is_file():
-        load_target(DEFAULT_TARGET)  # dequantizes once into the cache
-    tokenizer = AutoTokenizer.from_pretrained(float_dir)
-    model = tiny_model("llama", vocab_size=len(tokenizer), num_hidden_layers=1, hidden_size=16,
-                       intermediate_size=32, eos_token_id=tokenizer.eos_token_id)
-    directory = tmp_path_factory.mktemp("tiny")
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return save_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 # --- the scripts, as subprocesses ---
@@ -75,6 +49,91 @@ def test_generate_script_names_the_flag_of_a_mistake(tiny_dir):
     assert no_head.returncode != 0 and "Traceback" not in no_head.stderr
     assert "--proposer: eagle3 needs --head DIR" in no_head.stderr
     assert "no eagle3 head ships for target" in no_head.stderr
+
+
+def test_generate_script_draws_independent_samples_and_reproduces_them(tiny_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text((json.dumps({"prompt": "tell me a story"}) + "\n") * 3)  # how users draw several samples
+    runs = []
+    for run in range(2):
+        out = tmp_path / f"out{run}.jsonl"
+        run_script("generate.py", "--target", tiny_dir, "--proposer", "ngram", "--prompts", prompts, "--temperature",
+                   "1", "--seed", "7", "--samples", "2", "--max-new-tokens", "8", "--tree-size", "4", "--output", out)
+        runs.append([json.loads(line) for line in out.read_text().splitlines()])
+    first, second = runs
+    assert [(line["id"], line["sample"]) for line in first] == [(i, s) for i in range(3) for s in range(2)]
+    samples = [tuple(line["output_ids"]) for line in first]
+    assert len(set(samples)) == len(samples)  # every line and every sample of it: its own draw
+    assert [line["output_ids"] for line in second] == [line["output_ids"] for line in first]  # the same command
+
+
+def test_prompt_seeds_differ_for_every_prompt_and_sample_and_repeat_for_the_same_run():
+    from runtime.prompts import prompt_seed
+
+    seeds = [prompt_seed(7, prompt, sample) for prompt in range(200) for sample in range(5)]
+    assert len(set(seeds)) == len(seeds) and all(0 <= seed < 2 ** 63 for seed in seeds)
+    assert seeds == [prompt_seed(7, prompt, sample) for prompt in range(200) for sample in range(5)]
+    assert prompt_seed(7, 1) != prompt_seed(8, 0)  # not seed + index: run 7's second prompt is not run 8's first
+    assert prompt_seed(7, 0) == prompt_seed(7, 0, 0) != prompt_seed(0, 7)
+    with pytest.raises(ValueError, match="prompt_index and sample_index must be >= 0"):
+        prompt_seed(7, -1)
+
+
+def test_generate_script_streams_the_text_and_stops_at_a_stop_string(tiny_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    out = tmp_path / "out.jsonl"
+
+    def generate(*extra):
+        printed = run_script("generate.py", "--target", tiny_dir, "--proposer", "ngram", "--prompt", "hello there",
+                             "--max-new-tokens", "24", "--tree-size", "4", "--output", out, *extra).stdout
+        return json.loads(out.read_text()), printed
+
+    full, printed = generate()
+    assert printed == full["text"] + "\n"  # streamed as accepted: the same text as the record's
+    tokens = full["output_ids"]
+    word = next(i for i in range(3, len(tokens)) if tokenizer.decode([tokens[i]]).strip())
+    stop = tokenizer.decode([tokens[word]]).strip()
+    ends = next(n for n in range(1, len(tokens) + 1) if stop in tokenizer.decode(tokens[:n]))
+    stopped, _ = generate("--stop", "not in this output at all", "--stop", stop)
+    assert stopped["output_ids"] == tokens[:ends] and ends < len(tokens)
+
+
+def test_generate_script_stops_at_the_chat_templates_end_of_turn_token(tmp_path):
+    """A Llama-3-like model: its EOS is <|endoftext|>, its chat template ends turns with <|im_end|>, which the model
+    always predicts. Generation ends after that one token, not at the length limit."""
+    tokenizer = default_tokenizer()
+    end_of_turn, eos = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    tokenizer.eos_token = "<|endoftext|>"
+    model = tiny_model("llama", vocab_size=len(tokenizer), num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+                       eos_token_id=eos)
+    with torch.no_grad():  # the residual stream is the token's embedding, the same for every token
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[end_of_turn] = 1.0
+    model.generation_config.eos_token_id = eos
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    out = tmp_path / "out.jsonl"
+    run_script("generate.py", "--target", tmp_path / "model", "--proposer", "none", "--prompt", "hi",
+               "--max-new-tokens", "6", "--tree-size", "1", "--output", out)
+    assert json.loads(out.read_text())["output_ids"] == [end_of_turn]
+
+
+def test_end_of_turn_tokens_are_the_chat_templates_markers_and_eos(tiny_dir):
+    from runtime.prompts import end_of_turn_token_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn_token_ids(tokenizer) == {im_end} == {tokenizer.eos_token_id}  # SmolLM2: ChatML's marker is EOS
+    tokenizer.add_tokens(["<|eot_id|>", "<end_of_turn>"], special_tokens=True)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}<|eot_id|>{% endfor %}"
+    eot = tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    assert end_of_turn_token_ids(tokenizer) == {im_end, eot}  # <end_of_turn> is in the vocabulary, not the template
+    tokenizer.chat_template = None
+    assert end_of_turn_token_ids(tokenizer) == {im_end}
 
 
 def test_benchmark_script_reports_every_method(tiny_dir, tmp_path):

@@ -25,23 +25,23 @@ def load_head_proposer(head_type: str, head_dir: str, target) -> Proposer:
     tree size measured best by scripts/tune_tree.py, used for targets in the dtype it was measured in, ``size_dtype``)
     for both head types, and the acceptance measured during training
     (``acceptance``, acc@1..K), which calibrates Medusa's static tree and otherwise sizes the verified tree.
+    A Medusa-2 head (trained with LoRA adapters on its target) loads only for a target with those adapters merged
+    in (``scripts/export.py --merged-target``).
     """
     from heads.io import load_head, read_head_config
     from runtime.decode_layers import use_decode_layers
-    from runtime.target import parse_dtype
 
+    config = read_head_config(head_dir)
+    if config["head_type"] != head_type:
+        raise ValueError(f"{head_dir} holds a {config['head_type']} head, not {head_type} (head_type); load it as "
+                         f"{config['head_type']}")
+    check_target_adapters(head_dir, config, target)
     head = load_head(head_dir, target.model, identity=target.identity, tokenizer=target.tokenizer,
                      device=target.device, dtype=target.dtype)
-    if head.head_type != head_type:
-        raise ValueError(f"{head_dir} holds a {head.head_type} head, not {head_type} (head_type); load it as "
-                         f"{head.head_type}")
     use_decode_layers(head)  # drafting runs a few rows at a time, like the target's decode steps; the head is ours
-    tree = read_head_config(head_dir).get("tree", {})
+    tree = config.get("tree", {})
     accuracy = tree.get("acceptance")
-    # A tree size is measured in one dtype; another dtype has another cost curve (scripts/bench_verify_pass.py), so
-    # there the cost model sizes the tree. Heads saved by earlier versions call the keys tokens and tokens_dtype.
-    measured_dtype = parse_dtype(tree.get("size_dtype", tree.get("tokens_dtype", "float32")))
-    tree_size = tree.get("size", tree.get("tokens")) if measured_dtype == target.dtype else None
+    tree_size = measured_tree_size(tree, head_dir, target)
     if head_type == "medusa":
         from runtime.proposers.medusa import MedusaProposer
 
@@ -51,6 +51,45 @@ def load_head_proposer(head_type: str, head_dir: str, target) -> Proposer:
 
     return EagleProposer(head, target, depth=int(tree.get("depth", 6)), top_k=int(tree.get("top_k", 8)),
                          expected_acceptance=accuracy[0] if accuracy else 0.6, tree_size=tree_size)
+
+
+def measured_tree_size(tree: dict, head_dir: str, target) -> int | None:
+    """The head config's measured tree size when it was measured in the target's dtype, else None.
+
+    A tree size is measured in one dtype; another dtype has another cost curve (scripts/bench_verify_pass.py), so
+    there the cost model sizes the tree. Heads saved by earlier versions call the keys tokens and tokens_dtype.
+    """
+    from runtime.target import parse_dtype
+
+    name = tree.get("size_dtype", tree.get("tokens_dtype", "float32"))
+    try:
+        measured_dtype = parse_dtype(name)
+    except ValueError as error:
+        raise ValueError(f"{head_dir}/config.json: tree.size_dtype: {error}") from None
+    return tree.get("size", tree.get("tokens")) if measured_dtype == target.dtype else None
+
+
+def check_target_adapters(head_dir: str, config: dict, target) -> None:
+    """Refuse a Medusa-2 head for a target without its LoRA adapters merged in.
+
+    Such a head was trained together with adapters on the target: with the plain target, decoding would give the
+    base model's output instead of the fine-tuned one's, and the heads would draft for a model they were not trained
+    on. A target written by ``scripts/export.py --merged-target`` records the adapters it holds in its config.
+    """
+    from heads.io import MERGED_ADAPTERS_KEY, adapter_fingerprint, target_adapters
+
+    adapters = target_adapters(head_dir, config)
+    if adapters is None:
+        return
+    merged = getattr(target.config, MERGED_ADAPTERS_KEY, None)
+    if merged == adapter_fingerprint(adapters):
+        return
+    held = " (it holds other adapters)" if merged else ""
+    raise ValueError(f"the {config['head_type']} head at {head_dir} was trained with LoRA adapters on its target "
+                     f"(Medusa-2: {adapters}), and target {target.identity!r} does not have them merged in{held}. "
+                     f"Write the merged target once with `python scripts/export.py {head_dir} EXPORT_DIR "
+                     f"--merged-target MERGED_DIR`, then load MERGED_DIR as the target (in the scripts: --target "
+                     f"MERGED_DIR --head {head_dir}).")
 
 
 def default_head(head_type: str, target) -> str:
@@ -89,4 +128,4 @@ def build_proposer(spec: ProposerSpec, target, dtype=None) -> Proposer:
 
 __all__ = ["NoProposer", "Proposer", "ProposeInput", "DraftModelProposer", "NgramProposer", "ProposerSpec",
            "build_proposer", "PROPOSER_NAMES", "HEAD_PROPOSERS", "NoShippedHead", "load_head_proposer",
-           "default_head"]
+           "default_head", "check_target_adapters"]

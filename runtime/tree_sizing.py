@@ -1,0 +1,160 @@
+"""The verified tree's size, chosen step by step from what the target's passes cost and what the proposer gets
+accepted.
+
+A bigger tree gets more tokens accepted per target pass and makes the pass dearer; the best size depends on the
+machine (the cost of a pass of T tokens relative to one token: ``runtime.cost_model``) and on the proposer and the
+text (acceptance by depth). Neither is known for good in advance: a cost curve measured once can be noisy, a size
+tuned on one CPU is wrong on another, acceptance differs between prompts. ``TreeSizer`` starts from the cost curve
+and a prior acceptance, then learns per-depth acceptance from every verification (and, when told to, step costs from
+timings), re-chooses the size as it goes, and now and then probes a neighbouring size, so a size once dismissed
+(speculation switched off included) gets measured again.
+
+Pure bookkeeping: no timing or model calls here; the decoder reports what happened.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DepthAcceptance:
+    """Conditional acceptance by depth: of the passes whose tree reached depth d with depth d-1 accepted, how many
+    accepted a node at depth d. A Beta prior (``prior`` with the weight of ``prior_weight`` passes) keeps early
+    estimates sane. Index d - 1 holds depth d."""
+
+    prior: float
+    prior_weight: float = 8.0
+    attempts: list[int] = field(default_factory=list)
+    accepts: list[int] = field(default_factory=list)
+
+    def observe(self, drafted_depth: int, accepted_depth: int) -> None:
+        """One verification: the tree reached ``drafted_depth``; the accepted path has ``accepted_depth`` drafts."""
+        for depth in range(1, min(drafted_depth, accepted_depth + 1) + 1):
+            while len(self.attempts) < depth:
+                self.attempts.append(0)
+                self.accepts.append(0)
+            self.attempts[depth - 1] += 1
+            self.accepts[depth - 1] += accepted_depth >= depth
+
+    def rate(self, depth: int) -> float:
+        tried = self.attempts[depth - 1] if depth <= len(self.attempts) else 0
+        taken = self.accepts[depth - 1] if depth <= len(self.accepts) else 0
+        return (taken + self.prior * self.prior_weight) / (tried + self.prior_weight)
+
+    def expected_tokens(self, depth: int) -> float:
+        """Tokens a pass emits when the tree reaches ``depth``: 1 + a1 + a1 a2 + ... (the bonus token included)."""
+        total, reach = 1.0, 1.0
+        for d in range(1, depth + 1):
+            reach *= self.rate(d)
+            total += reach
+        return total
+
+
+class TreeSizer:
+    """Chooses the tree size for each step.
+
+    curve: {size: cost of a pass of that many tokens relative to one token} (``runtime.cost_model.cost_curve``);
+    prior_acceptance: the proposer's prior per-depth acceptance; start: the first size (default: the best for the
+    prior), kept until the first probe; max_depth: the deepest tree the proposer drafts (None: size - 1, a chain);
+    probe_every: steps between probes of a neighbouring size once past the first probes at steps 4, 8 and 16;
+    learn_costs: also learn step costs from reported timings (they vary run to run, so a seeded sampling run that
+    must repeat exactly keeps to the curve).
+    """
+
+    def __init__(self, curve: dict[int, float], prior_acceptance: float, start: int | None = None,
+                 max_depth: int | None = None, probe_every: int = 32, learn_costs: bool = True):
+        if 1 not in curve:
+            raise ValueError(f"the cost curve must include size 1 (one token), got sizes {sorted(curve)}")
+        self.curve = {size: curve[size] / curve[1] for size in sorted(curve)}
+        self.acceptance = DepthAcceptance(prior_acceptance)
+        self.max_depth = max_depth
+        self.probe_every = probe_every
+        self.learn_costs = learn_costs
+        self.seconds: dict[int, float] = {}  # size -> moving average of one step's seconds
+        self.steps = 0
+        self.probes = 0
+        self.chosen: Counter[int] = Counter()
+        self.started = start is not None
+        if start is not None and start not in self.curve:  # a size measured elsewhere joins the candidates
+            self.curve[start] = self._interpolated_cost(start)
+        self.current = start if start is not None else self.best()
+
+    @property
+    def sizes(self) -> list[int]:
+        return sorted(self.curve)
+
+    @property
+    def largest(self) -> int:
+        return max(self.curve)
+
+    def depth_of(self, size: int) -> int:
+        depth = size - 1
+        return depth if self.max_depth is None else min(depth, self.max_depth)
+
+    def cost(self, size: int) -> float:
+        """A step of ``size`` tokens relative to a step of one token: from timings where both were measured; for
+        other sizes, the curve's cost above one token scaled as much as timings scaled it at the nearest timed
+        size (a curve measured under load overstates every size alike)."""
+        if not self.learn_costs or 1 not in self.seconds:
+            return self.curve[size]
+        if size in self.seconds:
+            return self.seconds[size] / self.seconds[1]
+        timed = [s for s in self.seconds if s > 1 and self.curve[s] > 1]
+        if not timed:
+            return self.curve[size]
+        near = min(timed, key=lambda s: abs(s - size))
+        scale = (self.seconds[near] / self.seconds[1] - 1) / (self.curve[near] - 1)
+        return 1 + (self.curve[size] - 1) * max(scale, 0.0)
+
+    def value(self, size: int) -> float:
+        """Expected tokens per unit of target time at ``size``."""
+        return self.acceptance.expected_tokens(self.depth_of(size)) / self.cost(size)
+
+    def best(self) -> int:
+        return max(self.sizes, key=self.value)
+
+    def choose(self) -> int:
+        """The size for the next pass: the best one, or at a probe step a neighbour of it (alternately above and
+        below; from plain decoding always above)."""
+        self.steps += 1
+        best = self.current if self.started and self.probes == 0 else self.best()
+        size = best
+        if self._probe_step(self.steps):
+            self.probes += 1
+            index = self.sizes.index(best)
+            upward = self.probes % 2 == 1 or index == 0
+            neighbour = index + 1 if upward and index + 1 < len(self.sizes) else max(index - 1, 0)
+            size = self.sizes[neighbour]
+        self.current = size
+        self.chosen[size] += 1
+        return size
+
+    def _probe_step(self, step: int) -> bool:
+        if not self.probe_every:
+            return False
+        return step in (4, 8, 16) if step < self.probe_every else step % self.probe_every == 0
+
+    def observe(self, size: int, drafted_depth: int, accepted_depth: int, seconds: float | None = None) -> None:
+        """What a step of ``size`` tokens gave: its tree's depth, the accepted drafts and (optionally) the seconds
+        the step took (drafting and verification)."""
+        self.acceptance.observe(drafted_depth, accepted_depth)
+        if seconds is not None and self.learn_costs and size in self.curve:
+            previous = self.seconds.get(size)
+            self.seconds[size] = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+
+    def report(self) -> dict:
+        """Sizes chosen so far (size -> passes) and the current per-depth acceptance estimates."""
+        depths = len(self.acceptance.attempts)
+        return {"sizes": dict(sorted(self.chosen.items())),
+                "acceptance_by_depth": [round(self.acceptance.rate(d), 3) for d in range(1, depths + 1)]}
+
+    def _interpolated_cost(self, size: int) -> float:
+        below = max(s for s in self.curve if s <= size)
+        above = [s for s in self.curve if s >= size]
+        if not above:
+            return self.curve[below] * size / below
+        upper = min(above)
+        weight = (size - below) / (upper - below)
+        return self.curve[below] * (1 - weight) + self.curve[upper] * weight
