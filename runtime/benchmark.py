@@ -15,6 +15,7 @@ The HF baselines run on the target's own transformers model (``target.model``, a
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import sys
@@ -29,6 +30,35 @@ from runtime.proposers.spec import ProposerSpec
 HF_METHODS = ("hf-greedy", "hf-pld", "hf-assisted", "hf-early-exit")
 BASELINE = "hf-greedy"  # the name of the method every ratio refers to and every output is compared with
 PLD_TOKENS = 10  # prompt_lookup_num_tokens of hf-pld
+
+
+# CPU features that decide the fast bf16 and decode paths (runtime.kernels, runtime.decode_layers)
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def machine_description(device: torch.device) -> dict:
+    """What a results file records about the machine: CPU model and the flags that choose kernels, torch's CPU
+    capability, core count, and the GPU when the run used one."""
+    from runtime.kernels import native_bf16_matmul
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:  # not Linux: the platform string is what there is
+        pass
+    described = {"cpu": model, "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
+                 "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
+                 "native_bf16_matmul": native_bf16_matmul()}
+    if device.type == "cuda":
+        described["gpu"] = torch.cuda.get_device_name(device)
+    return described
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
@@ -438,7 +468,7 @@ def run_benchmark(target, target_name: str, methods: dict[str, Method], prompts:
         config = {"target": target_name, "dtype": dtype_name(target.dtype), "prompts": prompts_source or "mt-bench",
                   "stride": stride, "n_prompts": len(prompts), "max_new_tokens": max_new_tokens,
                   "temperature": temperature, "threads": torch.get_num_threads(), "torch": torch.__version__,
-                  "machine": platform.processor() or platform.machine(),
+                  "machine": machine_description(target.device),
                   "method_specs": {name: method_to_json(method) for name, method in methods.items()}}
         for index, ids in enumerate(tqdm(encoded, desc="benchmark", file=sys.stderr, disable=not progress)):
             order = names[index % len(names):] + names[: index % len(names)]  # rotate who goes first

@@ -114,6 +114,7 @@ def main(argv=None) -> int:
                                  acceptance=args.acceptance)
     if args.acceptance == "typical":
         print("[headstart] typical acceptance is lossy: output may differ from the target's own", file=sys.stderr)
+    print(f"[headstart] tree size: {decoder.tree_size_reason}", file=sys.stderr)
     tokenizer = target.tokenizer
     # a chat model ends its reply with the template's end-of-turn token, which need not be its EOS
     stop_token_ids = sorted(target.eos_token_ids | end_of_turn_token_ids(tokenizer))
@@ -144,6 +145,10 @@ def main(argv=None) -> int:
     finally:
         if sink:
             sink.close()
+    report = decoder.tree_size_report()
+    if "sizes" in report:
+        print(f"[headstart] tree sizes used (size: passes) {report['sizes']}, acceptance by depth "
+              f"{report['acceptance_by_depth']}", file=sys.stderr)
     if args.output:
         print(f"wrote {Path(args.output).resolve()}", file=sys.stderr)
     return 0
