@@ -3,22 +3,13 @@
 #
 #   bash scripts/train_default_heads.sh [RUNS_DIR]
 #
-# Stage 1 runs both heads side by side, one thread each (a 2-core machine). Measured on a 2-core x86 CPU: the EAGLE-3
-# run took 68 minutes (116 tokens/s), the Medusa run 54 minutes (68 tokens/s). The data is the packaged ShareGPT
-# (first 3000 conversations; EAGLE-3 sees 880 of them, Medusa 400, once).
-# Stage 2 continues the EAGLE-3 head with both threads on 12000 conversations (a different sample order): 900 steps
-# of a 3000-step schedule, about 2.5 hours at about 190-210 tokens/s (3600 conversations). Held-out acc@1 went from
-# 0.23 to 0.30 (step 460) to 0.34 (step 900), tau from 1.28 to 1.40 to 1.50.
-# Stage 3 continues it on self-distilled data: the target's own greedy replies (fp32, up to 256 tokens, batches of 16)
-# to the first 400 ShareGPT prompts, about 41 min (6 s a conversation), then 190 steps (about 2.4 epochs of the 322
-# conversations that fit 512 tokens) at lr 2e-4, about 29 min. On 21 held-out self-distilled conversations acc@1 went
-# from 0.42 to 0.45 and tau from 1.65 to 1.74; on MT-bench (every 4th turn, bf16) depth-1 acceptance went from 0.51
-# to 0.52 and tau from 1.59 to 1.64.
-# Medusa stage 2 continues the stage-1 Medusa head on the same self-distilled replies: 200 steps at lr 1e-3 with both
-# threads, about 50 min. On the same 21 held-out conversations acc@1 went from 0.16 to 0.28 and tau from 1.18 to 1.34.
-# Each shipped config.json records its commands and times. The configs also carry
-# the runtime's tree defaults, chosen with scripts/tune_tree.py: EAGLE-3 depth 2, top-k 8, 4 verified tokens;
-# Medusa 4 verified tokens.
+# Stage 1 runs both heads side by side, one thread each (a 2-core machine), on the packaged ShareGPT (first 3000
+# conversations). Stage 2 continues the EAGLE-3 head with both threads on 12000 conversations. Stage 3 continues it
+# on self-distilled data (the target's own greedy replies to the first 400 ShareGPT prompts); the Medusa head's
+# stage 2 continues it on the same replies. Each shipped config.json records its commands and wall times; the
+# curves and acceptance of each stage are in scripts/results/README.md. The configs also carry the runtime's tree
+# defaults, chosen with scripts/tune_tree.py (EAGLE-3 depth 2, top-k 8, 4 verified tokens; Medusa 4 verified tokens),
+# the size adaptive tree sizing starts from.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-runs}

@@ -2,7 +2,8 @@
 
 ``bf16_rows_matmul``: a few rows times a bfloat16 weight matrix, reading the weights once (bf16_rows.cpp);
 ``bf16_rows_linear``: the same product as a whole bf16 linear layer (bf16 rows in, bias, bf16 rows out). Built with
-torch's C++ extension loader (a C++ compiler and ninja; the build is cached by torch, about a minute the first time).
+torch's C++ extension loader (a C++ compiler and ninja; the build is cached by torch and takes a while the first
+time).
 Where it cannot be built, callers get None and keep PyTorch's own product.
 ``decode_attention``: attention of a few bf16 query rows over a bf16 KV cache (decode_attention.cpp), tested against
 fp32 SDPA over the same values.

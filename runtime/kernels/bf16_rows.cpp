@@ -109,7 +109,8 @@ torch::Tensor bf16_rows_matmul(const torch::Tensor& x, const torch::Tensor& weig
 // The whole bf16 linear layer in one call: x [M, K] bfloat16 -> (x @ weight^T + bias) [M, N] bfloat16, with the
 // product and the bias added in fp32 and one rounding to bf16 at the end (round to nearest even, as Tensor.to).
 // Equal bit for bit to (bf16_rows_matmul(x.float(), weight) + bias.float()).to(bfloat16), without the three
-// PyTorch calls around the product, which cost a 4-row pass of SmolLM2-135M (210 linears) about 1-3 ms.
+// PyTorch calls around the product, whose fixed costs add up over the hundreds of linears of a pass
+// (scripts/bench_bf16_rows.py).
 torch::Tensor bf16_rows_linear(const torch::Tensor& x, const torch::Tensor& weight,
                                const c10::optional<torch::Tensor>& bias) {
   check_weight(x, weight);

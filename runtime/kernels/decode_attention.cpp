@@ -1,8 +1,7 @@
 // Attention of a few bf16 query rows (a decode step or a verified tree) over a bf16 KV cache, for CPUs.
 //
 // For the handful of query rows of a decode step, PyTorch's CPU SDPA spends its time on setup rather than
-// arithmetic: about 130-150 us a call for 4 rows over 300 cached positions of SmolLM2-135M (9 heads, 3 KV heads,
-// head size 64) in bf16, 30 calls per target pass. The arithmetic is about 1.5 MFLOP. Here each (batch, head)
+// arithmetic (scripts/bench_decode_ops.py measures both), and a target pass makes one call per layer. Here each (batch, head)
 // pair is one task: scores against every visible key, a softmax, and the weighted sum of values, all in fp32
 // registers over keys and values widened from bf16 on the fly. Output is written as [B, T, H, D], the layout the
 // attention module's output projection reads, so no transpose copy follows.

@@ -1,8 +1,8 @@
 """Prompt lookup first, a draft head otherwise.
 
 Where the text repeats an earlier stretch (code, lists, quoted prompt text), a continuation found by n-gram lookup is
-right more often than a small head's guess (on the 80 MT-bench prompts with SmolLM2-135M, depth-1 acceptance 0.72
-against 0.48 for the shipped EAGLE-3 head) and costs almost nothing to find. Elsewhere lookup finds nothing and the
+right more often than a small head's guess (scripts/benchmark.py reports both methods' depth-1 acceptance) and costs
+almost nothing to find. Elsewhere lookup finds nothing and the
 head drafts.
 
 The head must read every verified row before it drafts (an EAGLE head keeps its own cache over the context), but
