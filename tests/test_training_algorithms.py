@@ -155,3 +155,40 @@ def test_target_distribution_table_equals_direct_computation():
     torch.testing.assert_close(target.cross_entropy(draft_logits, rows, cols), expected)
     with pytest.raises(IndexError, match="outside the positions"):
         target.greedy(torch.tensor([0]), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("head_type", ["eagle", "eagle3", "medusa"])
+def test_evaluation_calls_the_head_only_inside_the_objectives_forward(head_type):
+    """ZeRO-3 partitions the head's parameters and gathers them for the module calls it sees inside the engine
+    module's forward: an evaluation must call every head module from there, as training does."""
+    from runtime.target import target_from_model
+    from training.config import EvalConf, Eagle3HeadConf, EagleHeadConf, MedusaHeadConf
+    from training.evaluate import evaluate_acceptance, prepare_batch
+    from training.objectives import HeadObjective
+    from training.recipe import training_head
+
+    target = target_from_model(tiny_llama(layers=2, seed=3))
+    head_conf = {"eagle": EagleHeadConf(), "eagle3": Eagle3HeadConf(feature_layers=[0, 1, 1], draft_vocab_size=0,
+                                                                     ttt_steps=2),
+                 "medusa": MedusaHeadConf(num_heads=2)}[head_type]
+    head = training_head(head_conf, target, None)
+    objective = HeadObjective(head, head_conf, target.lm_head.weight, target.softcap)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 48, (2, 10))
+    mask = torch.arange(10)[None].expand(2, -1) >= 4
+    batch = prepare_batch(target, {"input_ids": ids, "assistant_mask": mask}, head_conf, EvalConf(depth=2),
+                          head.feature_layers)
+    inside, outside = [], []
+
+    def leave(module, args, output):  # returns None: the output stays the forward's
+        inside.pop()
+
+    objective.register_forward_pre_hook(lambda module, args: inside.append(module))
+    objective.register_forward_hook(leave)
+    for name, module in head.named_modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            module.register_forward_pre_hook(lambda module, args, name=name: None if inside else outside.append(name))
+    result = evaluate_acceptance(objective, [batch], 2, 0, 1)
+    assert outside == [], f"head modules called outside the objective's forward: {sorted(set(outside))}"
+    rows = mask if head_type == "medusa" else mask[:, 1:]  # EAGLE drafts after the next token: one row less
+    assert result["reached"][0] == int(rows.sum())

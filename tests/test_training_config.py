@@ -1,12 +1,21 @@
-"""Hydra composition: every group combination composes into the typed config; bad keys and groups fail clearly."""
+"""Hydra composition: every group combination composes into the typed config; bad keys and groups fail clearly;
+the device choices of the GPU path, where the configs are found, and how saved settings are compared."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
+from pathlib import Path
+
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-from training.config import (Eagle3HeadConf, EagleHeadConf, MedusaHeadConf, TrainConfig, compose_config,
-                             compose_many, validate)
+from training.config import (CONFIG_DIR, Eagle3HeadConf, EagleHeadConf, MedusaHeadConf, TrainConfig, compose_config,
+                             compose_many, find_config_dir, validate)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 HEADS = {"eagle": EagleHeadConf, "eagle3": Eagle3HeadConf, "medusa": MedusaHeadConf}
 TARGETS = {"smollm2": [], "hf": ["target.name=some/model"]}
@@ -75,3 +84,104 @@ def test_required_values_and_bad_values_are_named():
         validate(compose_config(["deepspeed.offload_param=true"]))
     with pytest.raises(ValueError, match="needs features.mode=online"):
         validate(compose_config(["head=medusa", "head.lora.enabled=true", "features.mode=offline"]))
+    validate(compose_config(["deepspeed=zero3", "deepspeed.param_persistence_threshold=0"]))
+
+
+@pytest.mark.parametrize("override, named", [
+    ("eval.every=0", "eval.every=0 must be >= 1"),
+    ("checkpoint.every=0", "checkpoint.every=0 must be >= 1"),
+    ("checkpoint.keep=0", "checkpoint.keep=0 must be >= 1"),
+    ("eval.batch_size=0", "eval.batch_size=0 must be >= 1"),
+    ("trainer.precision=fp16", "trainer.precision='fp16': choose auto"),
+    ("deepspeed.param_persistence_threshold=0", "param_persistence_threshold=0 needs deepspeed=zero3"),
+    ("head=medusa head.lora.enabled=true deepspeed=zero3", "cannot train under deepspeed=zero3"),
+])
+def test_values_that_would_fail_mid_run_are_named_before_any_work(override, named):
+    """A recipe validates its config when it is made, before processes, targets or data are touched."""
+    from training.recipe import TrainRecipe
+
+    with pytest.raises(ValueError, match=re.escape(named)):
+        TrainRecipe(compose_config(override.split()))
+
+
+def test_gpu_choices_are_pure_functions_of_the_device():
+    """What a CUDA run picks (nccl, bf16, pinned offload buffers, bf16 target) is decided by functions that a CPU
+    test can call with a CUDA device."""
+    from training.engine import Dist, cpu_threads, deepspeed_config, dist_backend, pick_device, pin_memory, use_bf16
+    from training.recipe import target_dtype
+
+    cuda, cpu = torch.device("cuda:1"), torch.device("cpu")
+    assert pick_device("auto", 1, cuda_available=True) == cuda
+    assert pick_device("auto", 1, cuda_available=False) == cpu
+    assert pick_device("cpu", 1, cuda_available=True) == cpu
+    assert (dist_backend(cuda), dist_backend(cpu)) == ("nccl", "gloo")
+    assert use_bf16("auto", cuda) and not use_bf16("auto", cpu)
+    assert use_bf16("bf16", cpu) and not use_bf16("fp32", cuda)
+    assert pin_memory(cuda) and not pin_memory(cpu)
+    assert cpu_threads(None, 16, 2) == 8 and cpu_threads(3, 16, 2) == 3 and cpu_threads(None, None, 4) == 1
+    config = compose_config(["deepspeed=zero3", "deepspeed.offload_optimizer=true", "deepspeed.offload_param=true",
+                             "deepspeed.param_persistence_threshold=0"])
+    on_gpu = deepspeed_config(config, Dist(0, 2, 1, cuda), 1e-3, [0.9, 0.95], 0.0, 0.5)
+    assert on_gpu["bf16"]["enabled"] and on_gpu["train_batch_size"] == 2 * config.trainer.micro_batch_size
+    zero = on_gpu["zero_optimization"]
+    assert zero["offload_optimizer"]["pin_memory"] and zero["offload_param"]["pin_memory"]
+    assert zero["stage3_param_persistence_threshold"] == 0
+    on_cpu = deepspeed_config(config, Dist(0, 1, 0, cpu), 1e-3, [0.9, 0.95], 0.0, 0.5)
+    assert not on_cpu["bf16"]["enabled"] and not on_cpu["zero_optimization"]["offload_param"]["pin_memory"]
+    assert (target_dtype(config, cuda), target_dtype(config, cpu)) == ("bfloat16", "float32")
+    assert "stage3_param_persistence_threshold" not in deepspeed_config(
+        compose_config(), Dist(0, 1, 0, cpu), 1e-3, [0.9, 0.95], 0.0, 0.5)["zero_optimization"]
+
+
+def test_config_dir_resolves_inside_an_installed_package(tmp_path):
+    """A wheel installs conf/ as training/conf: that copy wins; a checkout (or editable install) reads the top-level
+    conf/ beside the package; neither is an error naming the fix."""
+    installed = tmp_path / "site-packages" / "training"
+    (installed / "conf").mkdir(parents=True)
+    (installed / "conf" / "train.yaml").write_text("defaults: []\n")
+    (tmp_path / "site-packages" / "conf").mkdir()  # someone else's conf/ beside it is not read
+    assert find_config_dir(installed) == installed / "conf"
+    checkout = tmp_path / "checkout"
+    (checkout / "training").mkdir(parents=True)
+    (checkout / "conf").mkdir()
+    (checkout / "conf" / "train.yaml").write_text("defaults: []\n")
+    assert find_config_dir(checkout / "training") == checkout / "conf"
+    with pytest.raises(FileNotFoundError, match="pip install"):
+        find_config_dir(tmp_path / "nowhere" / "training")
+    assert Path(CONFIG_DIR) == ROOT / "conf"  # this checkout
+
+
+def test_the_wheel_ships_every_package_and_config():
+    """pyproject lists packages explicitly (training.conf is mapped from conf/): every package directory of the
+    checkout must be listed, and the package-data globs must reach every config file."""
+    tomllib = pytest.importorskip("tomllib")
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {str(path.parent.relative_to(ROOT)).replace("/", ".")
+               for top in ("heads", "runtime", "training") for path in (ROOT / top).rglob("__init__.py")}
+    assert on_disk | {"training.conf"} == set(setuptools["packages"])
+    assert setuptools["package-dir"] == {"training.conf": "conf"}
+    globs = setuptools["package-data"]["training.conf"]
+    shipped = {path for pattern in globs for path in (ROOT / "conf").glob(pattern)}
+    assert shipped == set((ROOT / "conf").rglob("*.yaml")) and (ROOT / "conf" / "train.yaml") in shipped
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["headstart-train"] == "training.train:main"
+
+
+def test_checkpoint_and_feature_store_settings_are_compared_by_name():
+    from training.checkpoints import config_differences
+    from training.features import description_differences
+
+    saved = dataclasses.asdict(compose_config(["head=eagle3"]))
+    current = dataclasses.asdict(compose_config(["head=eagle3", "head.ttt_steps=3", "target.name=other",
+                                                 "trainer.stop_after=5", "eval.every=7"]))
+    saved = json.loads(json.dumps(saved))  # as run.json holds it
+    assert config_differences(saved, current) == ["head.ttt_steps: 7 in the checkpoint, 3 in this run",
+                                                  "target.name: 'smollm2-135m' in the checkpoint, 'other' in this run"]
+    assert config_differences(saved, dataclasses.asdict(compose_config(["head=eagle3", "eval.every=3"]))) == []
+    wanted = {"target": "t", "tokenizer": "k", "data": "d1", "data_settings": {"seed": 1, "path": "a"},
+              "feature_layers": [0, 1, 1], "topk": 0, "dtype": "float32", "head_type": "eagle3"}
+    found = dict(wanted, data="d0", data_settings={"seed": 0, "path": "a"}, feature_layers=[], head_type="eagle")
+    assert description_differences(found, wanted) == ["data.seed: 0 in the store, 1 in this run",
+                                                      "feature_layers: [] in the store, [0, 1, 1] in this run"]
+    assert description_differences(dict(wanted, data="d0"), wanted)[0].startswith("the conversations")
+    assert description_differences(dict(wanted, head_type="medusa"), wanted) == []  # same features: shared

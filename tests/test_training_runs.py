@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +20,11 @@ from tests.tiny_training import build_tiny_target, tiny_overrides, write_convers
 from training.config import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# ZeRO-3 keeps parameters below DeepSpeed's persistence threshold (1e5 elements) whole on every rank: every parameter
+# of a tiny head would be. Threshold 0 partitions them all, as a real target's head is partitioned.
+PARTITION_EVERY_PARAMETER = "deepspeed.param_persistence_threshold=0"
+PARTITION_ALL = ["deepspeed=zero3", PARTITION_EVERY_PARAMETER]
 
 
 @pytest.fixture(scope="module")
@@ -138,12 +145,13 @@ def test_medusa2_lora_keeps_base_weights_and_merges(tiny, tmp_path):
     torch.testing.assert_close(output.logits, expected, atol=1e-4, rtol=1e-4)
 
 
-def _train_command(tiny, output_dir, steps, extra, as_module=False):
-    """``python training/train.py ...``, or with ``as_module`` ``python -m training.train ...``."""
+def _train_command(tiny, output_dir, steps, extra, as_module=False, head="eagle"):
+    """``python training/train.py ...``, or with ``as_module`` ``python -m training.train ...`` (no evaluation of
+    the untrained head unless ``extra`` sets eval.at_start)."""
     target, data = tiny
     entry = ["-m", "training.train"] if as_module else [str(ROOT / "training" / "train.py")]
-    return [sys.executable, *entry,
-            *tiny_overrides(target, data, output_dir, "eagle", steps, ["eval.at_start=false", *extra])]
+    at_start = [] if any(o.startswith("eval.at_start=") for o in extra) else ["eval.at_start=false"]
+    return [sys.executable, *entry, *tiny_overrides(target, data, output_dir, head, steps, [*at_start, *extra])]
 
 
 def _env():
@@ -180,29 +188,179 @@ def test_resume_after_kill_continues_exactly(tiny, tmp_path):
         torch.testing.assert_close(resumed[name], expected[name], atol=0, rtol=0, msg=name)
 
 
+class RunsCode:
+    """Pickles as a call of ``exec``: unpickling it writes ``marker`` (what a crafted checkpoint could do)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"import pathlib; pathlib.Path({str(self.marker)!r}).write_text('ran')",)
+
+
+def test_resume_refuses_a_checkpoint_that_would_run_code(tiny, tmp_path):
+    from training.checkpoints import UnsafeCheckpoint, weights_only_load
+
+    extra = ["eval.at_start=false", "checkpoint.every=1"]
+    run_config(tiny, tmp_path / "run", "eagle", 2, extra)
+    marker = tmp_path / "ran"
+    crafted = tmp_path / "run" / "checkpoints" / "step-00000002" / "mp_rank_00_model_states.pt"
+    torch.save(RunsCode(marker), crafted)
+    torch.load(crafted, weights_only=False)  # the threat: an unrestricted load runs it
+    assert marker.read_text() == "ran"
+    marker.unlink()
+    with pytest.raises(pickle.UnpicklingError):  # the loader DeepSpeed is given refuses it on its own too
+        weights_only_load(crafted)
+    # refused outright, not skipped for the intact step-1 checkpoint: someone wrote it
+    with pytest.raises(UnsafeCheckpoint, match=r"would import builtins\.exec.*Delete .*step-00000002"):
+        run_config(tiny, tmp_path / "run", "eagle", 3, extra + ["resume=true"])
+    assert not marker.exists()
+
+
+def test_resume_falls_back_past_a_damaged_checkpoint(tiny, tmp_path):
+    from training.checkpoints import CheckpointError
+
+    extra = ["eval.at_start=false", "checkpoint.every=2", "trainer.lr=3e-3", *PARTITION_ALL]  # ZeRO-3's files
+    run = tmp_path / "run"
+    run_config(tiny, run, "eagle", 4, extra)
+    expected = head_weights(run)
+    states = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    newest = run / "checkpoints" / "step-00000004" / states
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # half-written
+    with pytest.warns(UserWarning, match=f"step-00000004: {states} is truncated.*resuming from the older "
+                                         f"step-00000002"):
+        summary = run_config(tiny, run, "eagle", 4, extra + ["resume=true"])
+    assert summary["steps"] == 4
+    for name, tensor in head_weights(run).items():  # steps 3 and 4 again: the same head
+        torch.testing.assert_close(tensor, expected[name], atol=0, rtol=0, msg=name)
+    (run / "checkpoints" / "latest.json").write_text('{"tag": "step-')  # a damaged pointer: the newest complete
+    with pytest.warns(UserWarning, match="latest.json is unreadable"):
+        assert run_config(tiny, run, "eagle", 4, extra + ["resume=true"])["steps"] == 4
+    for tag in ("step-00000002", "step-00000004"):
+        path = run / "checkpoints" / tag / states
+        damaged = bytearray(path.read_bytes())
+        damaged[len(damaged) // 2] ^= 0xFF  # one flipped byte
+        path.write_bytes(bytes(damaged))
+    with pytest.raises(CheckpointError, match=r"(?s)no intact checkpoint.*step-00000004: .*(corrupt|truncated)"):
+        with pytest.warns(UserWarning, match="latest.json is unreadable"):  # still: the last run resumed at its end
+            run_config(tiny, run, "eagle", 4, extra + ["resume=true"])
+
+
+def test_resume_says_what_it_continues(tiny, tmp_path):
+    from training.checkpoints import CheckpointError
+
+    run = tmp_path / "run"
+    with pytest.warns(UserWarning, match="holds no complete checkpoint: training starts at step 0"):
+        run_config(tiny, run, "eagle", 1, ["eval.at_start=false", "resume=true"])
+    with pytest.raises(CheckpointError, match="head.num_layers: 1 in the checkpoint, 2 in this run"):
+        run_config(tiny, run, "eagle", 2, ["eval.at_start=false", "resume=true", "head.num_layers=2"])
+
+
+def test_offline_store_refuses_features_of_other_settings(tiny, tmp_path):
+    from runtime.target import load_target
+    from training.data import load_splits
+    from training.engine import Dist
+    from training.features import prepare_offline_store
+
+    target_dir, data = tiny
+    target = load_target(str(target_dir))
+    store = tmp_path / "store"
+
+    def prepare(head, extra=()):
+        conf = compose_config(tiny_overrides(target_dir, data, tmp_path / "run", head, 1,
+                                             [f"features.dir={store}", "data.max_samples=20", *extra]))
+        split = load_splits(conf.data, target.tokenizer, True)["train"]
+        layers = [0, 1, 1] if head == "eagle3" else []
+        return prepare_offline_store(conf, target, split, layers, 1, Dist(0, 1, 0, torch.device("cpu")))
+
+    assert prepare("eagle") == store
+    assert prepare("medusa") == store  # reads the same features: shares the store
+    with pytest.raises(ValueError, match="data.seed: 0 in the store, 1 in this run"):
+        prepare("eagle", ["data.seed=1"])  # another shuffle: other conversations in the training split
+    with pytest.raises(ValueError, match=r"(?s)extracted for head=eagle\b.*feature_layers: \[\] in the store"):
+        prepare("eagle3")
+    (store / "manifest.json").unlink()  # a partly extracted store is checked by the record extraction started with
+    with pytest.raises(ValueError, match="data.max_length: 64 in the store, 48 in this run"):
+        prepare("eagle", ["data.max_length=48"])
+    (store / "extraction.json").unlink()
+    with pytest.raises(ValueError, match="holds shards but no manifest.json"):
+        prepare("eagle")
+
+
+@pytest.mark.slow
+def test_a_plain_install_trains_from_any_directory(tiny, tmp_path):
+    """`pip install .` (not editable) ships the configs inside the package: `python -m training.train` and the
+    headstart-train entry point train from outside the checkout, reading the installed copy."""
+    source, site, elsewhere = tmp_path / "source", tmp_path / "site", tmp_path / "elsewhere"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__",
+                                                               "runs", "outputs", "wandb", "tests", "scripts"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(site), str(source)], check=True, capture_output=True)
+    assert (site / "training" / "conf" / "head" / "eagle3.yaml").is_file()
+    elsewhere.mkdir()
+    env = dict(_env(), PYTHONPATH=str(site))
+    found = subprocess.run([sys.executable, "-c", "from training.config import CONFIG_DIR; print(CONFIG_DIR)"],
+                           env=env, cwd=elsewhere, check=True, capture_output=True, text=True)
+    assert Path(found.stdout.strip()) == site / "training" / "conf"
+    target, data = tiny
+    overrides = tiny_overrides(target, data, elsewhere / "run", "eagle", 1, ["eval.at_start=false"])
+    subprocess.run([sys.executable, "-m", "training.train", *overrides], env=env, cwd=elsewhere, check=True,
+                   capture_output=True)
+    assert (elsewhere / "run" / "head" / "model.safetensors").is_file()
+    composed = subprocess.run([str(site / "bin" / "headstart-train"), "head=eagle3", "--cfg", "job"], env=env,
+                              cwd=elsewhere, check=True, capture_output=True, text=True)
+    assert "head_type: eagle3" in composed.stdout
+
+
 def test_existing_run_needs_resume(tiny, tmp_path):
     run_config(tiny, tmp_path / "run", "eagle", 1, ["eval.at_start=false"])
     with pytest.raises(ValueError, match="resume=true"):
         run_config(tiny, tmp_path / "run", "eagle", 2, ["eval.at_start=false"])
 
 
-@pytest.mark.parametrize("zero", ["zero2", "zero3"])
-def test_two_process_torchrun_matches_one_process(tiny, tmp_path, zero):
-    common = [f"deepspeed={zero}", "trainer.lr=3e-3", "trainer.micro_batch_size=2"]
+def curves(run_dir: Path) -> list[list[float]]:
+    """curves.csv as numbers: one row per evaluation (step, tau, val_loss, acc@1..K)."""
+    return [[float(x) for x in line.split(",")] for line in (run_dir / "curves.csv").read_text().splitlines()[1:]]
+
+
+@pytest.mark.parametrize("head", ["eagle", "eagle3", "medusa"])
+def test_partitioned_zero3_trains_and_evaluates_every_head_like_zero2(tiny, tmp_path, head):
+    """Evaluation calls the head's modules outside the engine's forward (drafting chains, LM heads): under ZeRO-3
+    with every parameter partitioned it must see the whole weights, and evaluate and train exactly as ZeRO-2."""
+    extra = ["eval.every=1", "trainer.lr=3e-3"]
+    run_config(tiny, tmp_path / "zero2", head, 2, extra)
+    run_config(tiny, tmp_path / "zero3", head, 2, extra + PARTITION_ALL)
+    expected, actual = curves(tmp_path / "zero2"), curves(tmp_path / "zero3")
+    assert [row[0] for row in actual] == [0, 1, 2]
+    for want, got in zip(expected, actual):
+        assert got == pytest.approx(want, abs=1e-4)
+    want_weights = head_weights(tmp_path / "zero2")
+    for name, tensor in head_weights(tmp_path / "zero3").items():
+        torch.testing.assert_close(tensor, want_weights[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("zero, head", [("zero1", "medusa"), ("zero2", "eagle"), ("zero3", "eagle3")])
+def test_two_process_torchrun_matches_one_process(tiny, tmp_path, zero, head):
+    """Two processes (torchrun) train and evaluate the same head as one process accumulating both micro-batches;
+    each ZeRO stage with another head type, ZeRO-3 with every parameter partitioned."""
+    common = [f"deepspeed={zero}", "trainer.lr=3e-3", "trainer.micro_batch_size=2", "eval.at_start=true",
+              *([PARTITION_EVERY_PARAMETER] if zero == "zero3" else [])]
     two = tmp_path / "two"
-    command = _train_command(tiny, two, 3, common)
+    command = _train_command(tiny, two, 3, common, head=head)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *command[1:]]
     result = subprocess.run(torchrun, env=_env(), cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     one = tmp_path / "one"
-    subprocess.run(_train_command(tiny, one, 3, common + ["trainer.grad_accum=2"]), check=True, env=_env(),
-                   cwd=ROOT, capture_output=True)
+    subprocess.run(_train_command(tiny, one, 3, common + ["trainer.grad_accum=2"], head=head), check=True,
+                   env=_env(), cwd=ROOT, capture_output=True)
     summary = json.loads((two / "summary.json").read_text())
     assert summary["world_size"] == 2
     assert len(set(summary["rank_digests"])) == 1, "ranks diverged"
     expected, actual = head_weights(one), head_weights(two)
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], atol=1e-5, rtol=1e-4, msg=name)
+    for want, got in zip(curves(one), curves(two)):  # held-out batches split over ranks, summed: same numbers
+        assert got == pytest.approx(want, abs=1e-4)
 
 
 def test_self_distillation_regenerates_replies_and_resumes(tiny, tmp_path):
@@ -225,6 +383,18 @@ def test_self_distillation_regenerates_replies_and_resumes(tiny, tmp_path):
     self_distill(conf, out, 16, 2, 1)  # everything is done: nothing is appended
     assert out.read_text() == lines_before
     assert len(list(read_records("json", str(out), "train", None))) == 5
+    # killed while writing: a partial last line is dropped and its conversation generated again
+    out.write_text(lines_before[: len(lines_before) - 20])
+    with pytest.warns(UserWarning, match="partly written line"):
+        self_distill(conf, out, 16, 2, 1)
+    assert out.read_text() == lines_before
+    out.write_text(lines_before[:-1])  # a whole last record without its newline is kept
+    self_distill(conf, out, 16, 2, 1)
+    assert out.read_text() == lines_before
+    lines = lines_before.splitlines(keepends=True)
+    out.write_text(lines[0] + "{not json\n" + "".join(lines[2:]))
+    with pytest.raises(ValueError, match="sd.jsonl:2 is not a self-distilled record"):
+        self_distill(conf, out, 16, 2, 1)
 
 
 def test_self_distillation_prompts_keep_their_end(tiny):

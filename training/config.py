@@ -12,8 +12,22 @@ from typing import Any
 
 from omegaconf import MISSING
 
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 CONFIG_NAME = "train"
+
+
+def find_config_dir(package_dir: Path) -> Path:
+    """The directory holding train.yaml and its groups: ``conf`` inside the package (where a wheel installs the
+    checkout's top-level conf/), else the top-level conf/ beside the package (a checkout or an editable install)."""
+    candidates = (package_dir / "conf", package_dir.parent / "conf")
+    for candidate in candidates:
+        if (candidate / f"{CONFIG_NAME}.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(f"no {CONFIG_NAME}.yaml in {' or '.join(str(c) for c in candidates)}: the training "
+                            f"configs are missing from this install; reinstall headstart (pip install .) from a "
+                            f"checkout that has conf/")
+
+
+CONFIG_DIR = str(find_config_dir(Path(__file__).resolve().parent))
 
 
 @dataclass
@@ -107,6 +121,9 @@ class DeepSpeedConf:
     stage: int = 2
     offload_optimizer: bool = False
     offload_param: bool = False  # ZeRO-3 only
+    # ZeRO-3 only: parameters of at most this many elements stay whole on every rank instead of partitioned (null:
+    # DeepSpeed's default, 100000); 0 partitions every parameter, as a large target's head is
+    param_persistence_threshold: int | None = None
 
 
 @dataclass
@@ -211,6 +228,10 @@ def validate(config: TrainConfig) -> None:
         problems.append(f"deepspeed.stage={config.deepspeed.stage}: choose 0, 1, 2 or 3")
     if config.deepspeed.offload_param and config.deepspeed.stage != 3:
         problems.append("deepspeed.offload_param needs deepspeed=zero3")
+    threshold = config.deepspeed.param_persistence_threshold
+    if threshold is not None and (config.deepspeed.stage != 3 or threshold < 0):
+        problems.append(f"deepspeed.param_persistence_threshold={threshold} needs deepspeed=zero3 and a value >= 0 "
+                        f"(null: DeepSpeed's default)")
     if config.tracker.kind not in ("wandb", "disabled"):
         problems.append(f"tracker.kind={config.tracker.kind!r}: choose tracker=wandb or tracker=disabled")
     if config.trainer.max_steps < 1 or config.trainer.micro_batch_size < 1 or config.trainer.grad_accum < 1:
@@ -218,8 +239,7 @@ def validate(config: TrainConfig) -> None:
     if config.trainer.stop_after is not None and not 1 <= config.trainer.stop_after <= config.trainer.max_steps:
         problems.append(f"trainer.stop_after={config.trainer.stop_after} must be between 1 and trainer.max_steps "
                         f"({config.trainer.max_steps})")
-    if config.eval.depth < 1:
-        problems.append("eval.depth must be >= 1")
+    problems += cadence_problems(config)
     if not config.target.name:
         problems.append("target.name is empty: pass target.name=<alias | HF id | local dir | file.gguf>")
     if config.data.source in ("json", "hf") and not config.data.path:
@@ -228,5 +248,36 @@ def validate(config: TrainConfig) -> None:
     lora = getattr(config.head, "lora", None)
     if lora is not None and lora.enabled and config.features.mode != "online":
         problems.append("head.lora.enabled (Medusa-2) trains the target itself: it needs features.mode=online")
+    if lora is not None and lora.enabled and config.deepspeed.stage == 3:
+        # the adapted target is part of the engine's module, but its teacher pass and the held-out branches run
+        # outside the engine, where ZeRO-3 would leave its weights partitioned
+        problems.append("head.lora.enabled (Medusa-2) cannot train under deepspeed=zero3 (it would partition the "
+                        "target that the teacher pass reads): use deepspeed=zero1 or deepspeed=zero2")
     if problems:
         raise ValueError("invalid configuration:\n  " + "\n  ".join(problems))
+
+
+# every value here divides a step count or sizes a batch: 0 would crash mid-run (ZeroDivisionError, an empty batch)
+AT_LEAST_ONE = {
+    "eval.every": "evaluate every N optimizer steps; eval.every=<trainer.max_steps> evaluates only at the end",
+    "checkpoint.every": "checkpoint every N optimizer steps; checkpoint.every=<trainer.max_steps> saves only at "
+                        "the end",
+    "checkpoint.keep": "the newest checkpoints kept; resume falls back to an older one when the newest is damaged",
+    "eval.depth": "draft steps an evaluation checks",
+    "eval.batch_size": "held-out conversations per evaluation batch",
+    "features.batch_size": "conversations per offline extraction batch",
+}
+
+
+def cadence_problems(config: TrainConfig) -> list[str]:
+    """The keys of ``AT_LEAST_ONE`` below 1, and a precision that is not auto, bf16 or fp32."""
+    problems = []
+    for key, meaning in AT_LEAST_ONE.items():
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if value < 1:
+            problems.append(f"{key}={value} must be >= 1 ({meaning}): pass {key}=1 or more")
+    if config.trainer.precision not in ("auto", "bf16", "fp32"):
+        problems.append(f"trainer.precision={config.trainer.precision!r}: choose auto (bf16 on GPU, fp32 on CPU), "
+                        f"bf16 or fp32")
+    return problems

@@ -1,25 +1,23 @@
-"""DeepSpeed for every run: process setup (one process, torchrun, deepspeed launcher), the engine, checkpoints.
+"""DeepSpeed for every run: process setup (one process, torchrun, deepspeed launcher) and the engine.
 
 One process needs no launcher: the distributed environment variables are filled in for a world of one. On CPU the
 backend is gloo, the optimizer torch's AdamW (DeepSpeed's fused/CPU Adam would JIT-compile for about a minute), and
 DeepSpeed's shared-memory collective op is not built (its JIT build takes minutes and gloo does not need it).
+Every choice between the GPU and the CPU path is a small pure function of the device (``pick_device``,
+``dist_backend``, ``use_bf16``, ``pin_memory``), so a CPU test runs the GPU path's decisions too. Checkpoints:
+training/checkpoints.py.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import os
-import shutil
 import socket
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-
-LATEST = "latest.json"
 
 
 @dataclass
@@ -40,6 +38,34 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def pick_device(choice: str, local_rank: int, cuda_available: bool) -> torch.device:
+    """trainer.device: auto is this process's GPU (cuda:LOCAL_RANK) when CUDA is available, else the CPU."""
+    if choice != "auto":
+        return torch.device(choice)
+    return torch.device(f"cuda:{local_rank}") if cuda_available else torch.device("cpu")
+
+
+def dist_backend(device: torch.device) -> str:
+    """nccl between GPUs; gloo between CPU processes (nccl cannot move CPU tensors)."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def use_bf16(precision: str, device: torch.device) -> bool:
+    """trainer.precision: auto trains in bf16 on a GPU and in fp32 on a CPU."""
+    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
+
+
+def pin_memory(device: torch.device) -> bool:
+    """ZeRO-Offload pins its CPU buffers only for a GPU to copy from; pinning for a CPU run only costs memory."""
+    return device.type == "cuda"
+
+
+def cpu_threads(threads: int | None, cpu_count: int | None, local_world: int) -> int:
+    """torch threads of one CPU process: trainer.threads, else an equal share of the cores among this machine's
+    processes (oversubscribed OpenMP pools slow every process down)."""
+    return threads or max(1, (cpu_count or 1) // max(local_world, 1))
+
+
 def setup_distributed(device_choice: str = "auto", threads: int | None = None) -> Dist:
     """Join (or, alone, create) the process group and pick this process's device."""
     import deepspeed
@@ -49,22 +75,19 @@ def setup_distributed(device_choice: str = "auto", threads: int | None = None) -
                            "MASTER_PORT": str(_free_port())})
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device_choice == "auto":
-        device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    else:
-        device = torch.device(device_choice)
+    device = pick_device(device_choice, local_rank, torch.cuda.is_available())
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if threads:
+            torch.set_num_threads(threads)
     else:
         # `import deepspeed.comm.torch as m` would bind the torch package (deepspeed.comm re-exports it): use
         # sys.modules. Skip the shared-memory op's minutes-long JIT build; gloo needs none.
         importlib.import_module("deepspeed.comm.torch")
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // max(local_world, 1)))
-    if threads and device.type == "cuda":
-        torch.set_num_threads(threads)
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo", verbose=False)
+        torch.set_num_threads(cpu_threads(threads, os.cpu_count(), local_world))
+    deepspeed.init_distributed(dist_backend=dist_backend(device), verbose=False)
     return Dist(rank, world, local_rank, device)
 
 
@@ -84,21 +107,33 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_gather_object(value) -> list:
+    """Every rank's ``value`` (any picklable object), in rank order; ``[value]`` alone."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def deepspeed_config(conf, dist: Dist, lr: float, betas, weight_decay: float, grad_clip: float) -> dict:
     trainer, zero = conf.trainer, conf.deepspeed
-    bf16 = trainer.precision == "bf16" or (trainer.precision == "auto" and dist.device.type == "cuda")
     zero_config: dict = {"stage": zero.stage}
     if zero.offload_optimizer:
-        zero_config["offload_optimizer"] = {"device": "cpu", "pin_memory": dist.device.type == "cuda"}
+        zero_config["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory(dist.device)}
     if zero.offload_param:
-        zero_config["offload_param"] = {"device": "cpu", "pin_memory": dist.device.type == "cuda"}
+        zero_config["offload_param"] = {"device": "cpu", "pin_memory": pin_memory(dist.device)}
+    if zero.stage == 3 and zero.param_persistence_threshold is not None:
+        zero_config["stage3_param_persistence_threshold"] = zero.param_persistence_threshold
     return {
         "train_micro_batch_size_per_gpu": trainer.micro_batch_size,
         "gradient_accumulation_steps": trainer.grad_accum,
         "train_batch_size": trainer.micro_batch_size * trainer.grad_accum * dist.world,
         "gradient_clipping": grad_clip,
         "zero_optimization": zero_config,
-        "bf16": {"enabled": bf16},
+        "bf16": {"enabled": use_bf16(trainer.precision, dist.device)},
         # torch's AdamW: no JIT-compiled kernel, works on CPU and with ZeRO-Offload
         "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": list(betas), "eps": 1e-8,
                                                   "weight_decay": weight_decay, "torch_adam": True}},
@@ -134,37 +169,3 @@ def full_parameters(module: torch.nn.Module):
             yield
     else:
         yield
-
-
-# ----- checkpoints: DeepSpeed state under checkpoints/<tag>, and an atomically written pointer to the last complete
-
-def read_latest(checkpoint_root: Path) -> dict | None:
-    path = checkpoint_root / LATEST
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def save_checkpoint(engine, checkpoint_root: Path, step: int, client_state: dict, keep: int, is_main: bool) -> None:
-    tag = f"step-{step:08d}"
-    engine.save_checkpoint(str(checkpoint_root), tag=tag, client_state=client_state, save_latest=False,
-                           exclude_frozen_parameters=True)
-    barrier()  # every rank's shard is on disk before the pointer moves
-    if is_main:
-        partial = checkpoint_root / (LATEST + ".partial")
-        partial.write_text(json.dumps({"tag": tag, "step": step}))
-        os.replace(partial, checkpoint_root / LATEST)
-        tags = sorted(p.name for p in checkpoint_root.iterdir() if p.is_dir() and p.name.startswith("step-"))
-        for old in tags:
-            if old != tag and old not in tags[-keep:]:
-                shutil.rmtree(checkpoint_root / old, ignore_errors=True)
-    barrier()
-
-
-def load_checkpoint(engine, checkpoint_root: Path) -> dict | None:
-    """Restore the last complete checkpoint (None when there is none); returns its client state."""
-    latest = read_latest(checkpoint_root)
-    if latest is None:
-        return None
-    path, client_state = engine.load_checkpoint(str(checkpoint_root), tag=latest["tag"], load_module_strict=False)
-    if path is None:
-        raise RuntimeError(f"could not load checkpoint {checkpoint_root / latest['tag']}")
-    return client_state

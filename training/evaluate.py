@@ -94,14 +94,14 @@ def medusa_matches(heads, batch: dict, hidden: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def evaluate_acceptance(objective, prepared_batches: list[dict], depth: int, rank: int, world: int,
                         all_reduce=lambda tensor: tensor) -> dict:
-    """Acceptance over this rank's share of the held-out batches, summed over ranks.
+    """Acceptance over this rank's share of the held-out batches, summed over ranks. ``objective`` is the
+    engine's module (training/objectives.py): each batch is one call of its forward in evaluation mode.
 
-    Every rank makes the same number of head calls (ZeRO-3 gathers parameters inside them): ranks with fewer
-    batches repeat one and do not count it.
+    Every rank makes the same number of calls (ZeRO-3 gathers parameters inside them): ranks with fewer batches
+    repeat one and do not count it.
     """
     was_training = objective.training
     objective.eval()
-    head = objective.head
     per_rank = max(1, -(-len(prepared_batches) // world))
     device = prepared_batches[0]["input_ids"].device
     reached = torch.zeros(depth + 1, dtype=torch.float64, device=device)
@@ -110,16 +110,7 @@ def evaluate_acceptance(objective, prepared_batches: list[dict], depth: int, ran
         index = rank + slot * world
         counted = index < len(prepared_batches)
         batch = prepared_batches[index if counted else 0]
-        if objective.head_type == "medusa":
-            if objective.lora_target is not None:
-                hidden = objective.lora_target.get_decoder()(input_ids=batch["input_ids"],
-                                                              use_cache=False).last_hidden_state
-            else:
-                hidden = batch["hidden"]
-            matches = medusa_matches(head, batch, hidden)
-        else:
-            matches = eagle_matches(head, batch, depth)
-        loss, _ = objective(batch)
+        loss, matches = objective(batch, depth=depth)
         if counted:
             reached += acceptance_counts(matches)[0].double()
             loss_sum += torch.tensor([float(loss), 1.0], dtype=torch.float64, device=device)

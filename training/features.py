@@ -6,8 +6,9 @@ A feature batch adds to a token batch:
   topk_logprobs / topk_ids [B, T, k]: offline stores with ``topk > 0`` keep the target's top-k instead of letting
   the loss recompute exact logits from ``hidden``.
 The offline store is sharded safetensors, one shard per ``SHARD_SIZE`` training samples, written atomically and
-skipped when present (extraction resumes after a kill); a manifest marks the store complete. ``prepare_offline_store``
-finds (or fills) the store of a run's target, data and feature settings.
+skipped when present (extraction resumes after a kill); a manifest marks the store complete. Both the manifest and the
+record written when extraction starts say what the features are of (target, tokenizer, data and shuffle, layers,
+storage): ``prepare_offline_store`` finds (or fills) the store of a run's settings and refuses one of other settings.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from training import engine as ds
 from training.data import cache_key
 
 SHARD_SIZE = 64
-MANIFEST = "manifest.json"
+MANIFEST = "manifest.json"  # marks a store complete; records what it holds features of (``store_description``)
+EXTRACTION = "extraction.json"  # the same record, written when extraction starts (a resumed one is checked)
 
 
 @torch.no_grad()
@@ -96,14 +98,19 @@ def extract_offline(target, dataset, directory: Path, feature_layers: list[int],
     bar.close()
 
 
+def write_json(path: Path, value: dict) -> None:
+    """Atomically: a reader sees the whole file or none."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(value, indent=2))
+    os.replace(partial, path)
+
+
 def write_manifest(directory: Path, num_samples: int, description: dict) -> None:
     num_shards = (num_samples + SHARD_SIZE - 1) // SHARD_SIZE
     missing = [s for s in range(num_shards) if not _shard_path(directory, s).is_file()]
     if missing:
         raise RuntimeError(f"offline feature store {directory} is missing shards {missing[:5]}...; rerun extraction")
-    partial = directory / (MANIFEST + ".partial")
-    partial.write_text(json.dumps({"num_samples": num_samples, "shard_size": SHARD_SIZE, **description}, indent=2))
-    os.replace(partial, directory / MANIFEST)
+    write_json(directory / MANIFEST, {"num_samples": num_samples, "shard_size": SHARD_SIZE, **description})
 
 
 def store_complete(directory: Path) -> bool:
@@ -148,20 +155,81 @@ class OfflineFeatures:
         return out
 
 
+DATA_SETTINGS = ("source", "path", "split", "subset", "max_samples", "val_samples", "seed", "max_length",
+                 "chat_template", "min_assistant_tokens")
+FEATURE_SETTINGS = ("target", "tokenizer", "feature_layers", "topk", "dtype")
+UNRECORDED = "(unrecorded)"
+
+
+def store_description(conf, target, data_key: str, feature_layers: list[int]) -> dict:
+    """What an offline store holds features of. A run uses a store only when it would extract exactly this: the
+    target, its tokenizer, the conversations (``data_key`` covers the file, shuffle seed and split; the data
+    settings are kept to name a difference), the feature layers and how they are stored. The head type is kept
+    for the messages: heads reading the same layers (eagle, medusa) share a store."""
+    return {"target": target.identity, "tokenizer": tokenizer_fingerprint(target.tokenizer), "data": data_key,
+            "data_settings": {key: getattr(conf.data, key) for key in DATA_SETTINGS},
+            "feature_layers": list(feature_layers), "topk": conf.features.topk, "dtype": conf.features.dtype,
+            "head_type": conf.head.head_type}
+
+
+def description_differences(found: dict, wanted: dict) -> list[str]:
+    """'key: the store's value, this run's value' for each setting that differs. The conversations differ when the
+    data keys do; the data settings then name why (or, when they are equal, the data file itself changed)."""
+    def show(key, stored, value) -> str:
+        return f"{key}: {stored!r} in the store, {value!r} in this run"
+
+    differences = []
+    if found.get("data", UNRECORDED) != wanted["data"]:
+        stored_data = found.get("data_settings") or {}
+        differences = [show(f"data.{name}", stored_data.get(name, UNRECORDED), value)
+                       for name, value in wanted["data_settings"].items()
+                       if stored_data.get(name, UNRECORDED) != value]
+        differences = differences or [show("the conversations (the data file changed)",
+                                           found.get("data", UNRECORDED), wanted["data"])]
+    differences += [show(key, found.get(key, UNRECORDED), wanted[key]) for key in FEATURE_SETTINGS
+                    if found.get(key, UNRECORDED) != wanted[key]]
+    return differences
+
+
+def check_store(directory: Path, wanted: dict) -> None:
+    """Refuse a store (complete, or partly extracted) that holds features of other settings, or shards of an
+    extraction that recorded nothing."""
+    fix = "point features.dir at another directory (or unset it to use the cache), or delete this store"
+    record = next((directory / name for name in (MANIFEST, EXTRACTION) if (directory / name).is_file()), None)
+    if record is None:
+        if any(directory.glob("shard-*.safetensors")):
+            raise ValueError(f"offline feature store {directory} holds shards but no {MANIFEST} or {EXTRACTION} "
+                             f"saying what they are features of; {fix}")
+        return
+    found = json.loads(record.read_text())
+    differences = description_differences(found, wanted)
+    if differences:
+        raise ValueError(f"offline feature store {directory} holds features of other settings (extracted for "
+                         f"head={found.get('head_type', '?')}):\n  " + "\n  ".join(differences)
+                         + f"\ntraining on them would be silently wrong: {fix}")
+
+
 def prepare_offline_store(conf, target, train_split, feature_layers: list[int], pad_id: int, dist: ds.Dist) -> Path:
     """The offline feature store for this target + data + features config, extracting it first when incomplete
-    (every rank extracts its share of shards; extraction resumes where a killed one stopped)."""
+    (every rank extracts its share of shards; extraction resumes where a killed one stopped). A store of other
+    settings is refused before any extraction."""
     tokenizer = target.tokenizer
     data_key = cache_key(conf.data, tokenizer)
     key = store_key(target.identity, tokenizer_fingerprint(tokenizer), data_key, feature_layers, conf.features.topk,
                     conf.features.dtype, conf.data.max_length)
     store = Path(conf.features.dir) if conf.features.dir else cache_dir() / "features" / key
+    description = store_description(conf, target, data_key, feature_layers)
+    check_store(store, description)
     if not store_complete(store):
+        ds.barrier()  # every rank has checked the store before the main process marks it as this run's
+        if dist.is_main:
+            store.mkdir(parents=True, exist_ok=True)
+            if not (store / EXTRACTION).is_file():
+                write_json(store / EXTRACTION, description)
         extract_offline(target, train_split, store, feature_layers, conf.features.topk, conf.features.dtype,
                         conf.features.batch_size, pad_id, dist.rank, dist.world, conf.trainer.progress)
         ds.barrier()
         if dist.is_main:
-            write_manifest(store, len(train_split), {"target": target.identity, "feature_layers": feature_layers,
-                                                      "topk": conf.features.topk, "data": data_key})
+            write_manifest(store, len(train_split), description)
         ds.barrier()
     return store

@@ -7,7 +7,8 @@ token j+1, and counts only where token j+1 is an assistant token (``next_token_m
   EAGLE-3 step k row t: (token t+k+1, own hidden) -> p_{t+k+1}, restricted to the draft vocabulary;
   Medusa head i at row t: hidden t -> p_{t+1+i}.
 Every rank runs the same sequence of module calls whatever its data (ZeRO-3 gathers parameters inside them), so no
-branch here depends on the batch contents.
+branch here depends on the batch contents. ``HeadObjective(batch, depth=K) -> (loss, matches)`` evaluates a held-out
+batch (training/evaluate.py) inside the same forward.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from heads.common import softcap_logits
 from training.draft_vocab import target_to_draft_ids
+from training.evaluate import eagle_matches, medusa_matches
 from training.losses import (decay_weights, feature_regression_loss, soft_cross_entropy, sparse_soft_cross_entropy,
                              uniform_noise)
 from training.masks import ChainCache, chain_attention_mask, next_token_mask, shift_left
@@ -88,12 +90,35 @@ class HeadObjective(nn.Module):
         self.register_buffer("target_lm_head_weight", target_lm_head_weight.detach(), persistent=False)
         self.lora_target = lora_target  # Medusa-2: a peft-wrapped target whose adapters train
 
-    def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
+    def forward(self, batch: dict, depth: int | None = None) -> tuple[torch.Tensor, dict | torch.Tensor]:
+        """A training batch -> (loss, stats). With ``depth``, a held-out batch prepared by training/evaluate.py ->
+        (loss, matches [N, depth]): the draft chain's (Medusa: the heads') top-1 against the target's greedy
+        branches. Evaluation is a mode of this forward so that every call of the head happens inside the engine
+        module's forward, as in training: ZeRO-3 partitions the head's parameters and gathers them for the calls
+        it sees there (a multi-GPU evaluation that called the head from outside read empty LM head weights)."""
+        if depth is not None:
+            return self.acceptance(batch, depth)
+        return self.loss(batch)
+
+    def loss(self, batch: dict) -> tuple[torch.Tensor, dict]:
         if self.head_type == "eagle":
             return self.eagle_loss(batch)
         if self.head_type == "eagle3":
             return self.eagle3_loss(batch)
         return self.medusa_loss(batch)
+
+    @torch.no_grad()
+    def acceptance(self, batch: dict, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(held-out loss, matches [N, depth]) of one prepared held-out batch."""
+        if self.head_type != "medusa":
+            matches = eagle_matches(self.head, batch, depth)
+        elif self.lora_target is not None:  # Medusa-2 reads the hidden states of the target being trained
+            hidden = self.lora_target.get_decoder()(input_ids=batch["input_ids"], use_cache=False).last_hidden_state
+            matches = medusa_matches(self.head, batch, hidden)
+        else:
+            matches = medusa_matches(self.head, batch, batch["hidden"])
+        loss, _ = self.loss(batch)
+        return loss, matches
 
     # ----- EAGLE-1/2
     def eagle_loss(self, batch):

@@ -2,13 +2,15 @@
 
     summary = train(conf)    # what training/train.py runs on the config Hydra composed from conf/
 
-setup     processes and devices; the frozen target; the tokenized splits; the head (fresh, or ``init_from``) and its
-          objective (Medusa-2: with LoRA adapters on the target); the offline feature store when asked for; the
+setup     processes and devices; with resume=true the checkpoint to continue, checked before anything slow
+          (training/checkpoints.py); the frozen target; the tokenized splits; the head (fresh, or ``init_from``) and
+          its objective (Medusa-2: with LoRA adapters on the target); the offline feature store when asked for; the
           DeepSpeed engine (ZeRO 0-3); the progress of a resumed run; the tracker.
 train     the optimizer steps: micro-batches in a fixed global sample order, target features (a frozen forward, or
           the offline store), the loss, DeepSpeed's backward and step; evaluation and checkpoints on their cadence.
           A run resumed at its end (stop_after) only evaluates and writes the head.
-evaluate  acceptance of the head on the held-out split (acc@k, tau), appended to the history and tracked.
+evaluate  acceptance of the head on the held-out split (acc@k, tau), appended to the history and tracked; the head
+          drafts inside the engine module's forward, as in training (ZeRO-3 gathers its parameters there).
 save      a DeepSpeed checkpoint (what resume=true reads), then the head directory (atomic; what the runtime loads).
 finish    rank digests (every rank must hold the same head) and summary.json.
 
@@ -24,6 +26,7 @@ import hashlib
 import json
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -34,6 +37,7 @@ from heads.common import frozen_target_weights, target_signature
 from heads.io import load_head, save_head
 from heads.registry import build_head, head_class
 from runtime.target import Target, load_target
+from training import checkpoints
 from training import engine as ds
 from training.config import TrainConfig, validate
 from training.data import SampleOrder, collate, load_splits, pad_token_id
@@ -89,6 +93,7 @@ class TrainRecipe:
         conf = self.conf
         self.dist = ds.setup_distributed(conf.trainer.device, conf.trainer.threads)
         self.claim_run_dir()
+        resume_tag = self.choose_checkpoint()
         torch.manual_seed(conf.trainer.seed)
 
         self.target = load_target_once(conf, self.dist)
@@ -115,16 +120,15 @@ class TrainRecipe:
             self.offline = OfflineFeatures(store, len(self.train_split))
 
         self.engine, self.compute_dtype = self.setup_engine()
-        tracker_id = self.restore_checkpoint() if conf.resume else None
+        tracker_id = self.restore_checkpoint(resume_tag) if resume_tag else None
         self.tracker = Tracker(conf.tracker, self.run_dir, dataclasses.asdict(conf), self.dist.is_main, tracker_id)
         self.signature = target_signature(self.target.model, self.target.identity, self.target.tokenizer)
         self.depth = eval_depth(conf.head, conf.eval)
 
     def claim_run_dir(self) -> None:
         """A run directory holds one run: continuing one needs resume=true."""
-        latest = ds.read_latest(self.checkpoints)
-        if not self.conf.resume and latest is not None:
-            raise ValueError(f"{self.run_dir} already holds a run (checkpoint at step {latest['step']}); pass "
+        if not self.conf.resume and checkpoints.holds_run(self.checkpoints):
+            raise ValueError(f"{self.run_dir} already holds a run (checkpoints in {self.checkpoints}); pass "
                              f"resume=true to continue it, or choose another output_dir")
         ds.barrier()
         if self.dist.is_main:
@@ -153,11 +157,20 @@ class TrainRecipe:
         engine = ds.build_engine(self.objective, ds_config)
         return engine, torch.bfloat16 if ds_config["bf16"]["enabled"] else torch.float32
 
-    def restore_checkpoint(self) -> str | None:
-        """resume=true: the engine state and progress of the last complete checkpoint; returns its tracker run id."""
-        client = ds.load_checkpoint(self.engine, self.checkpoints)
-        if client is None:
+    def choose_checkpoint(self) -> str | None:
+        """resume=true: the tag to continue (intact, safe, saved with this run's head and target settings; see
+        training/checkpoints.py), chosen before the slow setup; None (said) when there is none."""
+        if not self.conf.resume:
             return None
+        tag = checkpoints.choose_checkpoint(self.checkpoints, dataclasses.asdict(self.conf), self.dist)
+        if tag is None and self.dist.is_main:
+            warnings.warn(f"resume=true, but {self.checkpoints} holds no complete checkpoint: training starts at "
+                          f"step 0", stacklevel=2)
+        return tag
+
+    def restore_checkpoint(self, tag: str) -> str | None:
+        """The engine state and progress of checkpoint ``tag``; returns its tracker run id."""
+        client = checkpoints.load_tag(self.engine, self.checkpoints, tag)
         self.step, self.history = client["step"], client["history"]
         return client.get("tracker_id")
 
@@ -261,7 +274,8 @@ class TrainRecipe:
         """A DeepSpeed checkpoint of step ``self.step`` (every rank's shard), then the head directory (main)."""
         dist = self.dist
         client = {"step": self.step, "history": self.history, "tracker_id": self.tracker.run_id}
-        ds.save_checkpoint(self.engine, self.checkpoints, self.step, client, self.conf.checkpoint.keep, dist.is_main)
+        checkpoints.save_checkpoint(self.engine, self.checkpoints, self.step, client, dataclasses.asdict(self.conf),
+                                    self.conf.checkpoint.keep, dist.is_main)
         with ds.full_parameters(self.engine.module):
             if dist.is_main:
                 self.write_head()
@@ -288,7 +302,7 @@ class TrainRecipe:
     def finish(self) -> dict:
         """Rank digests and summary.json (main process); every rank returns the summary."""
         conf, dist = self.conf, self.dist
-        digests = rank_digests(self.engine.module, dist)
+        digests = rank_digests(self.engine.module)
         steady = self.step_rates[2:] or self.step_rates
         summary = {"head": conf.head.head_type, "features": conf.features.mode, "steps": self.step,
                    "world_size": dist.world, "tokens_per_s_median": statistics.median(steady) if steady else None,
@@ -369,6 +383,7 @@ def load_target_once(conf: TrainConfig, dist: ds.Dist) -> Target:
 def prepare_features(conf: TrainConfig) -> dict:
     """Fill the offline feature store that a ``features.mode=offline`` run of ``conf`` reads (every rank extracts
     its share) -> {"store": directory, "samples": training samples, "is_main": whether this is the main process}."""
+    validate(conf)
     dist = ds.setup_distributed(conf.trainer.device, conf.trainer.threads)
     target = load_target_once(conf, dist)
     train_split = load_splits(conf.data, target.tokenizer, dist.is_main, ds.barrier)["train"]
@@ -383,19 +398,12 @@ def to_device(batch: dict, device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def rank_digests(module: nn.Module, dist: ds.Dist) -> list[str]:
+def rank_digests(module: nn.Module) -> list[str]:
     """A hash of the trainable parameters as every rank holds them (ZeRO-3: gathered), in rank order."""
-    import torch.distributed as torch_dist
-
     digest = hashlib.sha256()
     with ds.full_parameters(module):
         for name, parameter in module.named_parameters():
             if parameter.requires_grad:
                 digest.update(name.encode())
                 digest.update(parameter.detach().float().cpu().numpy().tobytes())
-    mine = digest.hexdigest()[:16]
-    if dist.world == 1:
-        return [mine]
-    gathered: list = [None] * dist.world
-    torch_dist.all_gather_object(gathered, mine)
-    return gathered
+    return ds.all_gather_object(digest.hexdigest()[:16])

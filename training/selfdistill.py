@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from runtime.target import load_target
-from training.config import TrainConfig
+from training.config import TrainConfig, validate
 from training.data import collect_conversations
 from training.recipe import target_dtype
 
@@ -32,19 +33,63 @@ def encode_prompts(tokenizer, prompts: list[str], max_length: int):
                      add_special_tokens=False)
 
 
+def finished_ids(out: Path) -> set[int]:
+    """Ids of the conversations ``out`` already holds. Text after its last newline was cut off by a kill: a whole
+    record there gets its newline, anything else is dropped (with a warning) and its conversation generated again.
+    A line before that which is not a record is an error naming it."""
+    if not out.is_file():
+        return set()
+    data = out.read_bytes()
+    *lines, tail = data.split(b"\n")
+    ids = set()
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            record = parse_record(line)
+            if record is None:
+                raise ValueError(f"{out}:{number} is not a self-distilled record; fix or delete that line, then "
+                                 f"rerun (the conversations already in the file are kept)")
+            ids.add(record["id"])
+    if tail.strip():
+        repair_tail(out, len(data) - len(tail), tail, ids)
+    return ids
+
+
+def repair_tail(out: Path, start: int, tail: bytes, ids: set[int]) -> None:
+    """End ``out`` with a newline after its unterminated last line when that is a whole record (added to ``ids``),
+    else cut the line off at ``start``."""
+    record = parse_record(tail)
+    with open(out, "r+b") as handle:
+        if record is not None:
+            handle.seek(0, os.SEEK_END)
+            handle.write(b"\n")
+            ids.add(record["id"])
+            return
+        warnings.warn(f"{out} ends in a partly written line (an interrupted run); dropping it: its conversation is "
+                      f"generated again", stacklevel=3)
+        handle.truncate(start)
+
+
+def parse_record(line: bytes) -> dict | None:
+    """A line's record {"id": int, ...}, or None when the line is not one."""
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("id"), int) else None
+
+
 def self_distill(conf: TrainConfig, out: Path, max_new_tokens: int, batch_size: int, max_turns: int) -> Path:
     """Replace every assistant turn (up to ``max_turns`` per conversation) of ``conf.data``'s conversations by the
     greedy reply of ``conf.target`` to the conversation so far (its own earlier replies included). Appends to
-    ``out``, a batch at a time; conversations already there are skipped, so an interrupted run resumes."""
+    ``out``, a batch at a time; conversations already there are skipped, so an interrupted run resumes (a line it
+    left half-written is dropped and regenerated)."""
+    validate(conf)
+    done = finished_ids(out)  # before any slow work: a damaged file is reported first
+    conversations = collect_conversations(conf.data)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(conf.target.name, dtype=target_dtype(conf, device), device=device,
                          trust_remote_code=conf.target.trust_remote_code, attn_implementation="sdpa")
     tokenizer = target.tokenizer
-    conversations = collect_conversations(conf.data)
-    done = set()
-    if out.is_file():
-        with open(out, encoding="utf-8") as handle:
-            done = {json.loads(line)["id"] for line in handle if line.strip()}
     todo = [(index, c) for index, c in enumerate(conversations) if index not in done]
     out.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo), desc="self-distilling", unit="conv")

@@ -1,9 +1,9 @@
-"""Train a draft head: ``python training/train.py head=eagle|eagle3|medusa [key=value ...]`` (or
-``python -m training.train ...``).
+"""Train a draft head: ``python training/train.py head=eagle|eagle3|medusa [key=value ...]`` in a checkout, or
+``python -m training.train ...`` / ``headstart-train ...`` anywhere once installed (the configs ship in the package).
 
 Launch alone (one process), with ``torchrun --nproc_per_node N training/train.py ...`` or with
-``deepspeed --no_local_rank [--hostfile H] training/train.py ...``. See conf/train.yaml for every key; the run itself
-is training/recipe.py.
+``deepspeed --no_local_rank [--hostfile H] training/train.py ...``. See conf/train.yaml for every key (``--cfg job``
+prints the composed config); the run itself is training/recipe.py.
 """
 
 import hydra
