@@ -178,18 +178,24 @@ def available_backends(device: torch.device) -> list[str]:
 
 
 def sliding_window_mask(mask: torch.Tensor | None, position_ids: torch.Tensor, key_len: int,
-                        window: int) -> torch.Tensor:
+                        window: int, key_positions: torch.Tensor | None = None) -> torch.Tensor:
     """Restrict a pass's mask to keys fewer than ``window`` positions behind each query (a sliding-window layer).
 
     mask: [B or 1, 1, T, S] bool or None (causal when T > 1, everything for one row); position_ids [B, T]: the
-    queries' positions. The first S - T keys are the committed cache, whose slot j holds position j; the last T are
-    the pass's own rows, at the queries' positions. Returns [B, 1, T, S] bool. A key is kept when
-    query_position - key_position < window, as transformers' sliding-window masks do.
+    queries' positions. By default the first S - T keys are the committed cache, whose slot j holds position j, and
+    the last T are the pass's own rows, at the queries' positions. ``key_positions`` [B or 1, S] gives each key
+    slot's position instead: a batch whose rows have different committed lengths writes each row's new entries
+    right after its own length, not at the end (slots a row's mask excludes may hold any position). Returns
+    [B, 1, T, S] bool. A key is kept when query_position - key_position < window, as transformers' sliding-window
+    masks do.
     """
     batch, rows = position_ids.shape
-    prefix = key_len - rows
-    cached = torch.arange(prefix, device=position_ids.device).expand(batch, prefix)
-    key_positions = torch.cat([cached, position_ids], dim=1)  # [B, S]
+    if key_positions is None:
+        prefix = key_len - rows
+        cached = torch.arange(prefix, device=position_ids.device).expand(batch, prefix)
+        key_positions = torch.cat([cached, position_ids], dim=1)  # [B, S]
+    elif key_positions.shape[-1] != key_len:
+        raise ValueError(f"key_positions covers {key_positions.shape[-1]} key slots, the pass has {key_len}")
     near = (position_ids[:, :, None] - key_positions[:, None, :]) < window  # [B, T, S]
     if mask is None:
         mask = causal_mask(rows, key_len, position_ids.device)
@@ -216,13 +222,15 @@ def softcapped_attention(query, key, value, mask, scale: float, softcap: float) 
 def transformers_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                                    scaling: float | None = None, tree_backend: str = "sdpa",
                                    prefix_len: int | None = None, sliding_window: int | None = None,
-                                   softcap: float | None = None, **kwargs):
+                                   softcap: float | None = None, key_positions: torch.Tensor | None = None,
+                                   **kwargs):
     """The function transformers' attention modules call (registered as ``ATTN_IMPLEMENTATION``).
 
     The backend and prefix length arrive as forward kwargs, so they flow through arguments, not model state. A
     sliding-window layer (its module passes ``sliding_window``) gets the window applied to the mask here, so every
-    backend and every model family sees the same windowed tree mask; Gemma-2's ``softcap`` goes through
-    ``softcapped_attention``. Returns (out [B, T, H, D], None) as transformers expects.
+    backend and every model family sees the same windowed tree mask (``key_positions``, a forward kwarg like the
+    backend's, places the keys where a batch's rows have different lengths: see ``sliding_window_mask``); Gemma-2's
+    ``softcap`` goes through ``softcapped_attention``. Returns (out [B, T, H, D], None) as transformers expects.
     """
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     keys = key.shape[2]
@@ -231,7 +239,7 @@ def transformers_attention_forward(module, query, key, value, attention_mask, dr
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
             raise ValueError("a sliding-window layer needs position_ids to place its window; pass position_ids")
-        attention_mask = sliding_window_mask(attention_mask, position_ids, keys, sliding_window)
+        attention_mask = sliding_window_mask(attention_mask, position_ids, keys, sliding_window, key_positions)
     if softcap is not None:
         out = softcapped_attention(query, key, value, attention_mask, scale, softcap)
     elif windowed and tree_backend == "cascade":

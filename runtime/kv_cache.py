@@ -91,6 +91,31 @@ class KVCache:
         compact_kv(window, self.lengths - start, keep, n_keep)
         self.commit(n_keep)
 
+    def row(self, index: int) -> KVCache:
+        """Row ``index`` as an empty batch-1 cache over the same storage: a pass on it writes into that row alone
+        (the prefill of a prompt that takes over the row of a running batch). Its own length starts at 0; once its
+        entries are committed there, ``set_row_length`` tells this cache."""
+        view = KVCache.__new__(KVCache)
+        view.kv = self.kv[:, :, index:index + 1]
+        view.lengths = torch.zeros(1, dtype=torch.long, device=self.lengths.device)
+        view.max_length = self.max_length
+        view.is_compileable = False
+        view._max_len = 0
+        return view
+
+    def set_row_length(self, index: int, length: int) -> None:
+        """Row ``index`` now holds ``length`` committed entries (0: empty it)."""
+        self.lengths[index] = length
+        self._max_len = int(self.lengths.max())
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only batch rows ``rows``, in that order (their entries are copied into a smaller buffer): a batch
+        whose finished rows nothing will replace stops paying for them."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.lengths.device)
+        self.kv = self.kv.index_select(2, index)
+        self.lengths = self.lengths.index_select(0, index)
+        self._max_len = int(self.lengths.max()) if rows else 0
+
     def crop(self, length: int) -> None:
         """Forget everything after ``length`` in every row."""
         self.lengths.clamp_(max=length)

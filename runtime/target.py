@@ -132,21 +132,25 @@ class Target:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
                 attention_mask: torch.Tensor | None, *, logits_from: int = 0, hidden_layers: tuple[int, ...] = (),
-                backend: str = "sdpa", prefix_len: int | None = None) -> TargetOutput:
+                backend: str = "sdpa", prefix_len: int | None = None,
+                key_positions: torch.Tensor | None = None) -> TargetOutput:
         """Run new tokens through the target; writes their K/V into ``cache`` (uncommitted).
 
         input_ids, position_ids: [B, T]; attention_mask: [B, 1, T, S] bool over cache slots (S = cache's max
         committed length + T), or None for a causal pass over an empty cache. Logits are computed for positions
         ``logits_from ..`` only (a prefill needs just the last one). ``hidden_layers`` are decoder-layer indices
-        whose inputs are returned (layer i's input is hidden_states[i]).
+        whose inputs are returned (layer i's input is hidden_states[i]). ``key_positions`` [B, S]: the position each
+        key slot holds, for sliding-window layers when rows have different committed lengths (by default slot j of
+        the committed cache holds position j and the pass's own entries come last; ``sliding_window_mask``).
         """
         if prefix_len is None:  # the committed cache, which every new row sees whole
             prefix_len = int(cache.lengths.min())
+        extra = {} if key_positions is None else {"key_positions": key_positions}
         with self._runtime_layers():
             outputs = self.backbone(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                                     use_cache=True, **cache_argument(self.backbone, cache),
                                     output_hidden_states=bool(hidden_layers), tree_backend=backend,
-                                    prefix_len=prefix_len)
+                                    prefix_len=prefix_len, **extra)
             hidden = outputs.last_hidden_state
             layer_hidden = tuple(outputs.hidden_states[i] for i in hidden_layers) if hidden_layers else ()
             return TargetOutput(self.logits(hidden[:, logits_from:]), hidden, layer_hidden)

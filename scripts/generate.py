@@ -3,6 +3,7 @@
     python scripts/generate.py --proposer ngram --prompt "Write a haiku about rain." --max-new-tokens 64
     python scripts/generate.py --proposer eagle --head runs/eagle/head --prompts prompts.jsonl
     python scripts/generate.py --prompts prompts.jsonl --temperature 1 --seed 7 --samples 4 --stop "###"
+    python scripts/generate.py --prompts prompts.jsonl --batch-size 8
 
 Writes one JSON line per generation to --output (and prints the text): {"id", "prompt", "output_ids", "text",
 "accept_lengths", "target_forwards", "seconds"}, plus "sample" (0, 1, ...) with --samples above 1. Each sample of
@@ -10,6 +11,10 @@ each prompt draws from its own random stream, derived from --seed, the prompt's 
 (runtime.prompts.prompt_seed): a prompt repeated in the file gives independent samples, and a rerun gives the same.
 Generation stops at the target's EOS, at the chat template's end-of-turn tokens and once the text contains a --stop
 string. The proposer spellings are parsed by scripts/cli.py into a runtime.proposers.ProposerSpec.
+
+--batch-size N decodes N generations together (runtime.batched.BatchedDecoder: continuous batching, each output the
+same as decoded alone, the same seeds); lines are still written in input order, once all are done, and "seconds" is
+each generation's own time from its prefill to its last token, overlapping the others'.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from runtime.batched import BatchedDecoder
 from runtime.decoder import SpeculativeDecoder
 from runtime.prompts import TextStream, encode_prompt, end_of_turn_token_ids, prompt_seed
 from runtime.target import DEFAULT_TARGET, load_target
@@ -66,6 +72,8 @@ def parse_args(argv=None):
                         help="tree-attention backend (auto: flash-attn cascade on CUDA when installed, else SDPA)")
     parser.add_argument("--acceptance", default="exact", choices=("exact", "typical"),
                         help="exact (lossless, default) or typical (Medusa's typical acceptance: LOSSY, faster)")
+    parser.add_argument("--batch-size", type=positive_int, default=1,
+                        help="generations decoded together (continuous batching; outputs as decoded one at a time)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--output", help="JSONL output file")
@@ -103,6 +111,20 @@ def print_streamed(chunks, tokenizer):
         print(text.push(chunk), end="", flush=True)
 
 
+def batched_results(decoder: BatchedDecoder, runs, args, tokenizer, stop_token_ids) -> list:
+    """Every run's GenerationResult, in input order, decoded ``args.batch_size`` at a time (each with the seed it gets
+    decoded alone)."""
+    ids = [encode_prompt(tokenizer, item["prompt"]) for _, item, _ in runs]
+    seeds = [prompt_seed(args.seed, index, sample) for index, _, sample in runs]
+    found = [None] * len(runs)
+    finished = decoder.results(ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, seeds=seeds,
+                               batch_size=args.batch_size, stop_token_ids=stop_token_ids, stop_strings=args.stop,
+                               tokenizer=tokenizer)
+    for position, result in tqdm(finished, total=len(runs), desc="generate", file=sys.stderr):
+        found[position] = result
+    return found
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     spec = parse_proposer(args.proposer, head=args.head, draft_model=args.draft_model)
@@ -110,24 +132,28 @@ def main(argv=None) -> int:
     prompts = read_inputs(args)
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     proposer = build_proposer_or_exit(spec, target)
-    decoder = SpeculativeDecoder(target, proposer, tree_size=args.tree_size, attention=args.attention,
-                                 acceptance=args.acceptance)
+    runs = [(index, item, sample) for index, item in enumerate(prompts) for sample in range(args.samples)]
+    single = len(runs) == 1
+    batched = args.batch_size > 1 and not single
+    decoder = (BatchedDecoder if batched else SpeculativeDecoder)(
+        target, proposer, tree_size=args.tree_size, attention=args.attention, acceptance=args.acceptance)
     if args.acceptance == "typical":
         print("[headstart] typical acceptance is lossy: output may differ from the target's own", file=sys.stderr)
     print(f"[headstart] tree size: {decoder.tree_size_reason}", file=sys.stderr)
     tokenizer = target.tokenizer
     # a chat model ends its reply with the template's end-of-turn token, which need not be its EOS
     stop_token_ids = sorted(target.eos_token_ids | end_of_turn_token_ids(tokenizer))
-    runs = [(index, item, sample) for index, item in enumerate(prompts) for sample in range(args.samples)]
-    single = len(runs) == 1
     sink = open(args.output, "w") if args.output else None
     try:
-        for index, item, sample in tqdm(runs, desc="generate", disable=single, file=sys.stderr):
+        done = iter(batched_results(decoder, runs, args, tokenizer, stop_token_ids)) if batched else None
+        for index, item, sample in runs if batched else tqdm(runs, desc="generate", disable=single, file=sys.stderr):
             ids = encode_prompt(tokenizer, item["prompt"])
             settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=prompt_seed(args.seed, index, sample),
                             stop_token_ids=stop_token_ids, stop_strings=args.stop, tokenizer=tokenizer)
-            if single:  # stream the one answer to the terminal as it is accepted
+            if done is not None:
+                result = next(done)
+            elif single:  # stream the one answer to the terminal as it is accepted
                 result = print_streamed(decoder.stream_tokens(ids, **settings), tokenizer)
             else:
                 result = decoder.generate(ids, **settings)
@@ -145,6 +171,8 @@ def main(argv=None) -> int:
     finally:
         if sink:
             sink.close()
+    if batched:
+        print(f"[headstart] batches of {args.batch_size}: {decoder.stats.as_dict()}", file=sys.stderr)
     report = decoder.tree_size_report()
     if "sizes" in report:
         print(f"[headstart] tree sizes used (size: passes) {report['sizes']}, acceptance by depth "

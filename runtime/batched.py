@@ -1,0 +1,351 @@
+"""Batched speculative decoding: several prompts decode together, and every row's output is exactly what that prompt
+gives decoded alone, whatever the other rows accept.
+
+Each row has its own committed length, proposer state, accepted path, stop state and random stream (a CPU generator
+from its own seed), so nothing a row computes or draws depends on its neighbours; the rows share only the target
+passes. A step drafts a tree per row, pads the trees to a common node count and verifies them all in one target
+pass, then compacts each row of the KV cache to its own accepted path (``KVCache.compact`` with per-row keep lists).
+
+Masks. Row b's cache slots ``0 .. c_b - 1`` hold its committed positions ``0 .. c_b - 1``; a pass writes its N new
+entries at slots ``c_b .. c_b + N - 1`` and attends over ``max(c) + N`` slots, so row b's mask is: its committed
+slots, then its tree's ancestor mask at offset c_b, and nothing else (the slots past a row's own entries hold stale
+entries: rejected nodes, another prompt's leftovers). Padding nodes (row b's tree has fewer than N nodes) see the
+row's committed slots and their own slot: a valid softmax row, so no NaN reaches any key or value, and no real node
+ever sees them; they are never accepted. Sliding-window layers get each key slot's position explicitly
+(``key_positions``), since a row's new entries are not the last keys of the pass. The cascade backend's maskless
+prefix is the shortest row's committed length, which every row sees whole.
+
+Prefill. The first prompts are prefilled together, right-padded: a causal mask without the padding (a padding query
+sees itself), each row's first token from its own last prompt position, per-row lengths committed. Continuous
+batching: a batch holds ``batch_size`` rows; when a row finishes, the next prompt takes over its row of the cache
+with a prefill of its own (a batch-1 pass over that row's slots, ``KVCache.row``), and joins the next verification
+pass, so no row waits for the longest one. Once no prompt is left to take a finished row's place, the cache drops
+that row (``KVCache.keep_rows``).
+
+The tree size is fixed for every row and step (rows may draft fewer nodes): a size adapted from what the whole batch
+accepts would make one row's trees, and so its random draws when sampling, depend on its neighbours.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from runtime.acceptance import greedy_accept, rejection_accept, typical_accept
+from runtime.attention import BACKENDS, default_backend
+from runtime.cost_model import adaptive_sizer
+from runtime.decoder import GenerationResult, SpeculativeDecoder, Stops
+from runtime.kv_cache import KVCache
+from runtime.proposers.base import NoProposer, Proposer, ProposeInput
+from runtime.sampling import SamplingParams, new_generator, processed_probs
+from runtime.target import Target
+from runtime.tree import Tree
+
+
+@dataclass
+class BatchStats:
+    """What one batched run did, all rows together.
+
+    passes: verification passes (one target pass over every running row); prefill_passes: prefill passes (the first
+    batch's together, each joining prompt's alone); row_passes: the rows those verification passes verified, summed;
+    tokens: tokens the verification passes emitted (bonus tokens included), summed over rows."""
+
+    passes: int = 0
+    prefill_passes: int = 0
+    row_passes: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens a row gets from a verification pass (bonus included), over every row of every pass."""
+        return self.tokens / max(self.row_passes, 1)
+
+    @property
+    def rows_per_pass(self) -> float:
+        return self.row_passes / max(self.passes, 1)
+
+    def as_dict(self) -> dict:
+        return {"passes": self.passes, "prefill_passes": self.prefill_passes, "row_passes": self.row_passes,
+                "tokens": self.tokens, "tau": round(self.tau, 3), "rows_per_pass": round(self.rows_per_pass, 3),
+                "seconds": round(self.seconds, 4)}
+
+
+@dataclass
+class _Row:
+    """One running prompt: where it is in the cache and in its generation."""
+
+    index: int  # the prompt's position in the input
+    history: torch.Tensor  # [max length] prompt + emitted tokens; the first ``length`` are valid
+    length: int
+    state: Any  # the proposer's per-generation state
+    generator: torch.Generator | None
+    result: GenerationResult
+    started: float
+    new_hidden: torch.Tensor | None = None
+    new_layer_hidden: tuple[torch.Tensor, ...] = ()
+    pending: list[int] | None = None  # tokens from the last pass not yet emitted
+
+
+class BatchedDecoder:
+    """Generate for several prompts at once with ``target``, drafting with ``proposer`` (one proposer state per row).
+
+    tree_size: the verified tree's size (nodes, root included) for every row and step; None takes the size a
+    ``runtime.tree_sizing.TreeSizer`` starts from for this proposer (its measured size, or the best size for its
+    prior acceptance on this machine's cost curve) and keeps it. attention and acceptance as in
+    ``runtime.decoder.SpeculativeDecoder``. ``stats`` describes the latest run (``BatchStats``).
+    """
+
+    def __init__(self, target: Target, proposer: Proposer | None = None, tree_size: int | None = None,
+                 attention: str = "auto", acceptance: str = "exact"):
+        if acceptance not in ("exact", "typical"):
+            raise ValueError(f"acceptance must be 'exact' or 'typical' (lossy), got {acceptance!r}")
+        if attention != "auto" and attention not in BACKENDS:
+            raise ValueError(f"unknown attention backend {attention!r}; choose auto or one of {', '.join(BACKENDS)}")
+        if tree_size is not None and tree_size < 1:
+            raise ValueError(f"tree_size must be >= 1, got {tree_size}")
+        self.target = target
+        self.proposer = proposer if proposer is not None else NoProposer()
+        self.attention = default_backend(target.device, target.dtype) if attention == "auto" else attention
+        self.acceptance = acceptance
+        if tree_size is not None:
+            self.tree_size_reason = f"fixed at {tree_size} (tree_size={tree_size})"
+        else:
+            sizer = adaptive_sizer(target, self.proposer)
+            if sizer is None:
+                tree_size, self.tree_size_reason = 1, f"1: the {self.proposer.name} proposer drafts nothing"
+            else:
+                tree_size = sizer.current
+                why = ("the proposer's measured size" if sizer.started
+                       else "the best size for its prior acceptance on this machine's cost curve")
+                self.tree_size_reason = f"fixed at {tree_size} ({why})"
+        self.tree_size = tree_size
+        self.stats = BatchStats()
+
+    def tree_size_report(self) -> dict:
+        """How the tree size was chosen (as ``SpeculativeDecoder.tree_size_report``; the size never changes here)."""
+        return {"reason": self.tree_size_reason}
+
+    def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int,
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 seeds: Sequence[int] | None = None, batch_size: int = 8,
+                 stop_token_ids: Sequence[int] | None = None, stop_strings: Sequence[str] | None = None,
+                 tokenizer=None) -> list[GenerationResult]:
+        """One GenerationResult per prompt, in input order; see ``results``."""
+        found: list[GenerationResult | None] = [None] * len(prompts)
+        for index, result in self.results(prompts, max_new_tokens, temperature, top_k, top_p, seeds, batch_size,
+                                          stop_token_ids, stop_strings, tokenizer):
+            found[index] = result
+        return found  # type: ignore[return-value]
+
+    def results(self, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int,
+                temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                seeds: Sequence[int] | None = None, batch_size: int = 8,
+                stop_token_ids: Sequence[int] | None = None, stop_strings: Sequence[str] | None = None,
+                tokenizer=None) -> Iterator[tuple[int, GenerationResult]]:
+        """Decode ``prompts`` (each ids [P] or [1, P]) ``batch_size`` rows at a time; yields (prompt index,
+        GenerationResult) as each row finishes.
+
+        Each prompt's output is the one ``SpeculativeDecoder.generate`` gives for it alone with the same seed:
+        ``seeds[i]`` seeds prompt i's random stream when sampling (None: fresh random seeds). Stops as there: at a
+        stop token (default: the target's EOS ids), a stop string (decoded with ``tokenizer``, default the
+        target's) or ``max_new_tokens``. Arguments are checked before the first row starts.
+        """
+        device = self.target.device
+        ids = [torch.as_tensor(prompt, dtype=torch.long).reshape(-1).to(device) for prompt in prompts]
+        for index, prompt in enumerate(ids):
+            self._check_length(index, prompt.numel(), max_new_tokens)
+        if seeds is not None and len(seeds) != len(ids):
+            raise ValueError(f"seeds has {len(seeds)} entries for {len(ids)} prompts: give one seed per prompt")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        sampling = SamplingParams(temperature, top_k, top_p)
+        stops = Stops(set(stop_token_ids) if stop_token_ids is not None else self.target.eos_token_ids,
+                      tuple(stop_strings or ()), tokenizer or self.target.tokenizer)
+        return self._run(ids, max_new_tokens, sampling, list(seeds) if seeds is not None else None, batch_size,
+                         stops)
+
+    def _check_length(self, index: int, prompt_len: int, max_new_tokens: int) -> None:
+        if prompt_len == 0:
+            raise ValueError(f"prompt {index} is empty: give at least one token")
+        limit = self.target.max_positions
+        if prompt_len + max_new_tokens > limit:
+            raise ValueError(
+                f"prompt {index} of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the target's "
+                f"context of {limit} positions; shorten the prompt or lower max_new_tokens")
+
+    def _run(self, prompts: list[torch.Tensor], max_new_tokens: int, sampling: SamplingParams,
+             seeds: list[int] | None, batch_size: int, stops: Stops) -> Iterator[tuple[int, GenerationResult]]:
+        self.stats = stats = BatchStats()
+        if not prompts:
+            return
+        started = time.perf_counter()
+        queue = deque(range(len(prompts)))
+        width = min(batch_size, len(prompts))
+        max_length = max(prompt.numel() for prompt in prompts) + max_new_tokens + self.tree_size + 1
+        settings = (prompts, max_new_tokens, sampling, seeds)
+        with torch.inference_mode():
+            cache = self.target.new_cache(width, max_length)
+            rows: list[_Row | None] = list(self._prefill(cache, [queue.popleft() for _ in range(width)], *settings))
+        stats.prefill_passes += 1
+        while True:
+            for slot, row in enumerate(rows):
+                if row is None or row.pending is None:
+                    continue
+                emitted = stops.emit(row.pending, row.result, max_new_tokens)
+                row.pending = None
+                if row.result.target_forwards > 1:
+                    row.result.accept_lengths.append(len(emitted))
+                    stats.tokens += len(emitted)
+                if row.result.stop_reason != "running":
+                    row.result.seconds = time.perf_counter() - row.started
+                    rows[slot] = None
+                    yield row.index, row.result
+                    continue
+                with torch.inference_mode():
+                    row.history[row.length:row.length + len(emitted)] = torch.tensor(emitted,
+                                                                                     device=row.history.device)
+                row.length += len(emitted)
+            free = [slot for slot, row in enumerate(rows) if row is None]
+            if free and queue:
+                with torch.inference_mode():
+                    for slot in free[:len(queue)]:
+                        rows[slot] = self._prefill(cache.row(slot), [queue.popleft()], *settings)[0]
+                        cache.set_row_length(slot, rows[slot].length)  # the prompt; its first token is pending
+                        stats.prefill_passes += 1
+                continue  # the new rows emit their first token (and may be done at once)
+            if free:  # nothing will take these rows' place: stop computing them
+                live = [slot for slot, row in enumerate(rows) if row is not None]
+                if not live:
+                    break
+                cache.keep_rows(live)
+                rows = [rows[slot] for slot in live]
+            with torch.inference_mode():
+                self._step(rows, cache, sampling)  # type: ignore[arg-type]
+            stats.passes += 1
+            stats.row_passes += len(rows)
+            stats.seconds = time.perf_counter() - started
+        stats.seconds = time.perf_counter() - started
+
+    def _prefill(self, cache: KVCache, indices: list[int], prompts: list[torch.Tensor], max_new_tokens: int,
+                 sampling: SamplingParams, seeds: list[int] | None) -> list[_Row]:
+        """One pass over the prompts ``indices`` (right-padded), into an empty ``cache`` of as many rows; commits each
+        row's prompt and picks its first token. Returns the rows, first token pending."""
+        target, device, proposer = self.target, self.target.device, self.proposer
+        started = time.perf_counter()
+        batch = len(indices)
+        lengths = [prompts[i].numel() for i in indices]
+        width = max(lengths)
+        tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
+        for b, i in enumerate(indices):
+            tokens[b, :lengths[b]] = prompts[i]
+        positions = torch.arange(width, device=device).expand(batch, width)
+        if batch == 1:
+            mask = None  # causal over an empty cache: the batch-1 decoder's prefill
+        else:
+            slots = torch.arange(width, device=device)
+            causal = slots[None, :] <= slots[:, None]  # [query, key]
+            real = slots[None, :] < torch.tensor(lengths, device=device)[:, None]  # [B, key]
+            # a padding query sees the real keys before it and itself: a valid row whose output nothing reads
+            mask = (causal[None] & (real[:, None, :] | torch.eye(width, dtype=torch.bool, device=device)[None]))
+            mask = mask[:, None]
+        # the cascade has nothing to gain over an empty cache, and its masked path is the reference kernel: a ragged
+        # prefill (a mask) goes through SDPA's masked kernels instead; a lone prompt keeps the causal fast path
+        backend = "sdpa" if mask is not None and self.attention == "cascade" else self.attention
+        out = target.forward(tokens, positions, cache, mask, logits_from=width, hidden_layers=proposer.hidden_layers,
+                             backend=backend, prefix_len=0)
+        count = torch.tensor(lengths, device=device)
+        cache.commit(count)
+        last = out.hidden[torch.arange(batch, device=device), count - 1]  # [B, H]
+        logits = target.logits(last)
+        rows = []
+        for b, i in enumerate(indices):
+            length = lengths[b]
+            generator = None if sampling.greedy else new_generator(seeds[i] if seeds is not None else None)
+            first = SpeculativeDecoder._pick(logits[b], sampling, generator)
+            row_max = length + max_new_tokens + self.tree_size + 1
+            history = torch.empty(row_max, dtype=torch.long, device=device)
+            history[:length] = prompts[i]
+            row = _Row(i, history, length, proposer.start(prompts[i], row_max), generator,
+                       GenerationResult([], [], 1, 0.0, "length"), started)
+            if proposer.needs_hidden:
+                row.new_hidden = out.hidden[b, :length]
+            row.new_layer_hidden = tuple(h[b, :length] for h in out.layer_hidden)
+            row.pending = [first]
+            rows.append(row)
+        return rows
+
+    def _step(self, rows: list[_Row], cache: KVCache, sampling: SamplingParams) -> None:
+        """Draft a tree per row, verify every row's tree in one target pass, accept per row, compact the cache."""
+        target, device, proposer = self.target, self.target.device, self.proposer
+        trees: list[Tree] = []
+        for row in rows:
+            step = ProposeInput(row.history[:row.length], row.new_hidden, row.new_layer_hidden, self.tree_size,
+                                sampling, row.generator)
+            drafting = time.perf_counter()
+            trees.append(proposer.propose(row.state, step))
+            row.result.draft_seconds += time.perf_counter() - drafting
+        batch = len(rows)
+        nodes = max(tree.size for tree in trees)
+        committed = [row.length - 1 for row in rows]  # the root is the last history token, not in the cache yet
+        keys = max(committed) + nodes
+        tokens = torch.zeros(batch, nodes, dtype=torch.long)
+        positions = torch.zeros(batch, nodes, dtype=torch.long)
+        mask = torch.zeros(batch, 1, nodes, keys, dtype=torch.bool)
+        key_positions = torch.arange(keys).repeat(batch, 1)
+        cpu_trees = []
+        for b, tree in enumerate(trees):
+            size, start = tree.size, committed[b]
+            tree_tokens, parents, ancestors = tree.tokens.cpu(), tree.parents.cpu(), tree.ancestor_mask().cpu()
+            cpu_trees.append((tree_tokens, parents, ancestors))
+            tokens[b, :size] = tree_tokens
+            tokens[b, size:] = tree_tokens[0]
+            positions[b, :size] = start + tree.depths.cpu()
+            positions[b, size:] = start
+            mask[b, 0, :, :start] = True
+            mask[b, 0, :size, start:start + size] = ancestors
+            padding = torch.arange(size, nodes)
+            mask[b, 0, padding, start + padding] = True
+            key_positions[b, start:start + nodes] = positions[b]
+        out = target.forward(tokens.to(device), positions.to(device), cache, mask.to(device),
+                             hidden_layers=proposer.hidden_layers, backend=self.attention,
+                             prefix_len=min(committed), key_positions=key_positions.to(device))
+        greedy = sampling.greedy and self.acceptance == "exact"
+        argmax = out.logits.argmax(-1).cpu() if greedy else None
+        paths: list[tuple[list[int], int]] = []
+        for b, (row, tree) in enumerate(zip(rows, trees)):
+            tree_tokens, parents, ancestors = cpu_trees[b]
+            size = tree.size
+            if greedy:
+                paths.append(greedy_accept(tree_tokens, parents, ancestors, argmax[b, :size]))
+                continue
+            logits = out.logits[b, :size]
+            if sampling.greedy:  # typical acceptance at temperature 0 falls back to the argmax distribution
+                probs = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+            else:
+                probs = processed_probs(logits, sampling)
+            if self.acceptance == "typical":
+                paths.append(typical_accept(tree.tokens, tree.children(), probs, row.generator))
+            else:
+                paths.append(rejection_accept(tree.tokens, tree.children(), probs, tree.proposal_probs,
+                                              row.generator))
+        kept = max(len(path) for path, _ in paths)
+        keep = torch.zeros(batch, kept, dtype=torch.long)
+        for b, (path, _) in enumerate(paths):
+            keep[b, :len(path)] = torch.tensor(path)
+        cache.compact(keep.to(device), torch.tensor([len(path) for path, _ in paths], device=device))
+        for b, (row, tree, (path, bonus)) in enumerate(zip(rows, trees, paths)):
+            result = row.result
+            result.target_forwards += 1
+            result.tree_sizes.append(tree.size)
+            SpeculativeDecoder._count_depths(result, tree, len(path) - 1)
+            row.pending = cpu_trees[b][0][path[1:]].tolist() + [bonus]
+            if proposer.needs_hidden or proposer.hidden_layers:
+                index = torch.tensor(path, device=device)
+                row.new_hidden = out.hidden[b, index] if proposer.needs_hidden else None
+                row.new_layer_hidden = tuple(h[b, index] for h in out.layer_hidden)

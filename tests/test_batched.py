@@ -1,0 +1,432 @@
+"""Batched speculation must be exact: every row token-identical to its prompt decoded alone (HF greedy at
+temperature 0, the same seeded draws when sampling), whatever the other rows accept, stop at or join."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from runtime.attention import sliding_window_mask
+from runtime.batched import BatchedDecoder
+from runtime.decoder import SpeculativeDecoder
+from runtime.proposers.draft_model import DraftModelProposer
+from runtime.proposers.ngram import NgramProposer
+from runtime.sampling import SamplingParams
+from runtime.target import target_from_model
+from runtime.proposers.base import ProposeInput
+from runtime.tree import Tree, verification_mask
+from tests import test_sampling_distribution as sampling
+from tests.conftest import tiny_model
+from tests.proposers_for_tests import BadProposer
+from tests.test_greedy_equality import proposers
+from tests.test_head_proposers import head_proposers
+
+VOCAB = 64
+NEW_TOKENS = 16
+# very different lengths (1 to 40 tokens), some with repeats so that lookup and the heads draft
+PROMPTS = [[5], list(range(10, 50)), [1, 2, 3, 1, 2, 3, 1], [7, 8], list(range(3, 20)) + [3, 4, 5],
+           [9, 4, 9, 4, 9, 4, 9, 4, 9, 4, 9, 4], [30, 31, 32], [2, 6, 2, 6, 2]]
+BATCH_SIZES = (1, 2, 3, 8)
+
+
+def hf_greedy(arch: str, prompt: list[int], new_tokens: int = NEW_TOKENS, **kwargs) -> list[int]:
+    model = tiny_model(arch, seed=0, vocab_size=VOCAB)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+def target_for(arch: str):
+    return target_from_model(tiny_model(arch, seed=0, vocab_size=VOCAB), identity="tiny")
+
+
+def check_rows(decoder, references, batch_size, label, prompts=PROMPTS, **kwargs):
+    results = decoder.generate(prompts, NEW_TOKENS, batch_size=batch_size, **kwargs)
+    for index, (result, reference) in enumerate(zip(results, references)):
+        assert result.tokens == reference, f"{label}/batch {batch_size}: row {index} differs"
+        assert result.target_forwards == len(result.accept_lengths) + 1
+        assert len(result.tree_sizes) == len(result.accept_lengths)
+    stats = decoder.stats
+    assert stats.row_passes == sum(len(result.accept_lengths) for result in results)
+    assert stats.tokens == sum(sum(result.accept_lengths) for result in results)
+    return results
+
+
+def test_every_proposer_matches_hf_greedy_at_every_batch_size(arch):
+    """Each proposer at two of the batch sizes (1 and 3, or 2 and 8; rotated by architecture, so every proposer
+    meets all four over the three architectures): below 8 rows, later prompts join as earlier ones finish."""
+    target = target_for(arch)
+    references = [hf_greedy(arch, prompt) for prompt in PROMPTS]
+    candidates = {**proposers(target, arch), **head_proposers(target)}
+    shift = ["llama", "qwen2", "gemma"].index(arch)
+    for number, (name, proposer) in enumerate(candidates.items()):
+        decoder = BatchedDecoder(target, proposer, tree_size=8, attention="sdpa")
+        first = (number + shift) % 4
+        for batch_size in (BATCH_SIZES[first], BATCH_SIZES[(first + 2) % 4]):
+            check_rows(decoder, references, batch_size, f"{arch}/{name}")
+        if name in ("self-draft", "ngram"):
+            assert decoder.stats.tau > 1.0, f"{name} never got a draft accepted"
+
+
+@pytest.mark.parametrize("name", ["none", "draft-tree", "eagle3"])
+def test_cascade_backend_matches_hf_greedy(name):
+    """The cascade's maskless prefix is the shortest row's committed length, which every row sees whole."""
+    target = target_for("llama")
+    references = [hf_greedy("llama", prompt) for prompt in PROMPTS]
+    proposer = {**proposers(target, "llama"), **head_proposers(target)}[name]
+    check_rows(BatchedDecoder(target, proposer, tree_size=8, attention="cascade"), references, 3, f"cascade/{name}")
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2-sliding", "gemma2"])
+def test_sliding_window_rows_match_hf_greedy(arch):
+    """Rows of different lengths put their new entries at different slots: the window must follow each row's key
+    positions, not the pass's last slots."""
+    target = target_for(arch)
+    references = [hf_greedy(arch, prompt) for prompt in PROMPTS]
+    candidates = {**proposers(target, arch), **head_proposers(target)}
+    names = list(candidates) if arch == "mistral" else ["none", "ngram", "self-draft", "eagle3"]
+    for name in names:
+        check_rows(BatchedDecoder(target, candidates[name], tree_size=8), references, 3, f"{arch}/{name}")
+    for name in ("none", "self-draft", "eagle3"):
+        decoder = BatchedDecoder(target, candidates[name], tree_size=8, attention="cascade")
+        check_rows(decoder, references, 8, f"{arch}/{name}/cascade")
+
+
+def test_sliding_window_mask_with_explicit_key_positions():
+    # two rows, one node each: row 0 has 2 committed slots (its node sits at slot 2, position 2), row 1 has 4
+    # (its node at slot 4, position 4); slot 3 of row 0 holds nothing of it
+    position_ids = torch.tensor([[2], [4]])
+    key_positions = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]])
+    key_positions[0, 2] = 2
+    mask = torch.tensor([[True, True, True, False, False], [True, True, True, True, True]])[:, None, None]
+    windowed = sliding_window_mask(mask, position_ids, 5, window=2, key_positions=key_positions)
+    assert windowed[:, 0, 0].tolist() == [[False, True, True, False, False], [False, False, False, True, True]]
+    with pytest.raises(ValueError, match="key_positions covers 4 key slots"):
+        sliding_window_mask(mask, position_ids, 5, window=2, key_positions=key_positions[:, :4])
+
+
+@pytest.mark.parametrize("name", ["none", "self-draft", "ngram", "eagle"])
+def test_rows_that_stop_early_and_rows_that_join_late(name):
+    """Stop tokens end rows at different steps; with fewer slots than prompts the next prompts take their rows."""
+    target = target_for("llama")
+    free = [hf_greedy("llama", prompt) for prompt in PROMPTS]
+    stops = {free[0][3], free[1][10], free[4][6]}
+    references = [hf_greedy("llama", prompt, eos_token_id=sorted(stops)) for prompt in PROMPTS]
+    assert sum(len(reference) < NEW_TOKENS for reference in references) >= 3
+    proposer = {**proposers(target, "llama"), **head_proposers(target)}[name]
+    decoder = BatchedDecoder(target, proposer, tree_size=6)
+    for batch_size in (2, 3):
+        results = check_rows(decoder, references, batch_size, f"stops/{name}", stop_token_ids=stops)
+        for result, reference in zip(results, references):
+            assert result.stop_reason == ("stop" if len(reference) < NEW_TOKENS else "length")
+        assert decoder.stats.prefill_passes == 1 + len(PROMPTS) - batch_size  # each late prompt prefills alone
+
+
+def test_results_come_as_rows_finish_and_generate_keeps_input_order():
+    target = target_for("llama")
+    prompts = [list(range(1, 30)), [4], [6, 7, 8]]
+    stops = {18, 20}  # the tiny model's outputs reach them at once (row 1), soon (row 2) and never (row 0)
+    references = [hf_greedy("llama", prompt, 20, eos_token_id=sorted(stops)) for prompt in prompts]
+    assert [len(reference) for reference in references] == [20, 1, 3]
+    decoder = BatchedDecoder(target, NgramProposer(), tree_size=6)
+    finished = list(decoder.results(prompts, 20, stop_token_ids=stops, batch_size=3))
+    assert [index for index, _ in finished] == [1, 2, 0]
+    assert [result.tokens for _, result in sorted(finished, key=lambda item: item[0])] == references
+    generated = decoder.generate(prompts, 20, stop_token_ids=stops, batch_size=3)
+    assert [result.tokens for result in generated] == references
+    assert [result.stop_reason for result in generated] == ["length", "stop", "stop"]
+
+
+def test_one_new_token_and_prompts_that_finish_at_prefill():
+    target = target_for("qwen2")
+    references = [hf_greedy("qwen2", prompt, 1) for prompt in PROMPTS]
+    decoder = BatchedDecoder(target, NgramProposer(), tree_size=4)
+    for batch_size in (1, 3):
+        results = decoder.generate(PROMPTS, 1, batch_size=batch_size)
+        assert [result.tokens for result in results] == references
+        assert all(result.accept_lengths == [] and result.target_forwards == 1 for result in results)
+        assert decoder.stats.passes == 0
+    assert decoder.generate([], 5) == []
+
+
+def test_stop_strings_and_typical_acceptance_as_decoded_alone():
+    from tests.tiny_training import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=len(tokenizer)), tokenizer, identity="tiny")
+    prompts = [tokenizer(text)["input_ids"] for text in ("abc abc abc", "a", "hello hello", "xyz")]
+    single = SpeculativeDecoder(target, NgramProposer(), tree_size=6)
+    free = [single.generate(prompt, NEW_TOKENS, stop_token_ids=[]).tokens for prompt in prompts]
+    stops = [tokenizer.decode(free[0])[5:8], tokenizer.decode(free[2])[2:4]]
+    settings = dict(stop_token_ids=[], stop_strings=stops)
+    expected = [single.generate(prompt, NEW_TOKENS, **settings) for prompt in prompts]
+    assert any(result.stop_reason == "stop" for result in expected)
+    for acceptance in ("exact", "typical"):  # typical acceptance at temperature 0 takes only the argmax: exact too
+        decoder = BatchedDecoder(target, NgramProposer(), tree_size=6, acceptance=acceptance)
+        results = decoder.generate(prompts, NEW_TOKENS, batch_size=2, **settings)
+        assert [(r.tokens, r.stop_reason) for r in results] == [(r.tokens, r.stop_reason) for r in expected]
+
+
+class SplitProposer:
+    """Per row, a perfect chain (the target drafting for itself) or a wrong one, chosen by the prompt's first token:
+    rows of one batch then accept very different lengths at every pass."""
+
+    name = "split"
+    hidden_layers: tuple[int, ...] = ()
+    needs_hidden = False
+    expected_acceptance = 0.5
+    tree_size = None
+
+    def __init__(self, target):
+        self.good, self.bad = DraftModelProposer(target, target, "chain", depth=4), BadProposer()
+
+    def start(self, prompt, max_length):
+        good = int(prompt[0]) % 2 == 0
+        return good, self.good.start(prompt, max_length) if good else None
+
+    def propose(self, state, step):
+        good, inner = state
+        return self.good.propose(inner, step) if good else self.bad.propose(None, step)
+
+
+def test_rows_with_different_accepted_lengths_compact_to_their_own_paths():
+    target = target_for("llama")
+    prompts = [[2, 9, 4, 1], [3] + list(range(20, 33)), [4, 7], [5, 5, 6, 1, 8, 30, 31]]
+    references = [hf_greedy("llama", prompt) for prompt in prompts]
+    decoder = BatchedDecoder(target, SplitProposer(target), tree_size=5)
+    results = check_rows(decoder, references, 4, "split", prompts=prompts)
+    for good in (0, 2):  # every draft accepted, the last pass cut by the length limit
+        assert results[good].accept_lengths == [5] * 3
+    for bad in (1, 3):
+        assert len(results[bad].accept_lengths) > 2 * len(results[0].accept_lengths)
+
+    # the cache itself: after passes with different accepted lengths, each row holds exactly the K/V of its own
+    # committed tokens, as a fresh prefill of that row alone gives them
+    cache = target.new_cache(len(prompts), 64)
+    greedy = SamplingParams()
+    with torch.inference_mode():
+        rows = decoder._prefill(cache, list(range(len(prompts))), [torch.tensor(p) for p in prompts], 30, greedy,
+                                None)
+        for _ in range(3):
+            for row in rows:
+                row.history[row.length:row.length + len(row.pending)] = torch.tensor(row.pending)
+                row.length += len(row.pending)
+            decoder._step(rows, cache, greedy)
+        for row in rows:  # the last pass's tokens: all but the bonus token are in the cache
+            row.history[row.length:row.length + len(row.pending)] = torch.tensor(row.pending)
+            row.length += len(row.pending)
+        assert cache.lengths.tolist() == [row.length - 1 for row in rows]
+        assert len({row.length for row in rows}) > 1
+        for b, row in enumerate(rows):
+            alone = target.new_cache(1, 64)
+            committed = row.length - 1
+            target.forward(row.history[None, :committed], torch.arange(committed)[None], alone, None)
+            torch.testing.assert_close(cache.kv[:, :, b, :, :committed], alone.kv[:, :, 0, :, :committed],
+                                       atol=1e-5, rtol=1e-5)
+
+
+def test_bad_arguments_are_clear_errors():
+    target = target_for("llama")
+    decoder = BatchedDecoder(target, None, tree_size=1)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        decoder.generate([[1], []], 4)
+    with pytest.raises(ValueError, match="seeds has 1 entries for 2 prompts"):
+        decoder.generate([[1], [2]], 4, temperature=1.0, seeds=[3])
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        decoder.generate([[1]], 4, batch_size=0)
+    with pytest.raises(ValueError, match="prompt 0 of 500 tokens"):
+        decoder.generate([list(range(500))], 20)
+    with pytest.raises(ValueError, match="tree_size"):
+        BatchedDecoder(target, None, tree_size=0)
+
+
+def test_cache_row_views_and_dropping_rows():
+    from runtime.kv_cache import KVCache
+
+    cache = KVCache(2, 3, 1, 2, 16, torch.float32, "cpu")
+    cache.commit(torch.tensor([4, 9, 6]))
+    view = cache.row(1)  # the next prompt takes over row 1: an empty batch-1 cache over its slots
+    assert view.lengths.tolist() == [0] and view.max_committed == 0
+    keys, _ = view.update(torch.full((1, 1, 3, 2), 7.0), torch.full((1, 1, 3, 2), -7.0), 1)
+    assert keys.shape == (1, 1, 3, 2)
+    view.commit(3)
+    cache.set_row_length(1, 3)
+    assert cache.lengths.tolist() == [4, 3, 6] and cache.max_committed == 6
+    assert cache.kv[1, 0, 1, 0, :3].eq(7).all() and cache.kv[1, 1, 1, 0, :3].eq(-7).all()
+    assert cache.kv[:, :, [0, 2]].eq(0).all() and cache.kv[0].eq(0).all()  # other rows and layers untouched
+    cache.keep_rows([2, 1])
+    assert cache.kv.shape[2] == 2 and cache.lengths.tolist() == [6, 3] and cache.max_committed == 6
+    assert cache.kv[1, 0, 1, 0, :3].eq(7).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "cascade"])
+def test_gpu_batched_greedy_equality(backend):
+    """On CUDA in fp32 each row equals that prompt decoded alone (tests/test_greedy_equality.py checks the
+    single-prompt decoder against HF generate there)."""
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB).to("cuda"), identity="tiny")
+    for proposer in (None, NgramProposer(), DraftModelProposer(target, target, "tree", depth=4, top_k=3)):
+        single = SpeculativeDecoder(target, proposer, tree_size=8, attention=backend)
+        references = [single.generate(prompt, NEW_TOKENS).tokens for prompt in PROMPTS]
+        results = BatchedDecoder(target, proposer, tree_size=8, attention=backend).generate(PROMPTS, NEW_TOKENS,
+                                                                                            batch_size=3)
+        assert [result.tokens for result in results] == references
+
+
+# -- sampling -------------------------------------------------------------------------------------------------------
+
+def batched_p_value(proposer, params: SamplingParams, tree_size: int = 4, batch_size: int = 64) -> float:
+    """The chi-square test of tests/test_sampling_distribution.py with every sample a row of one batched call: the
+    same prompt in every row, each row seeded with its own number."""
+    target = target_from_model(sampling.model(0), identity="tiny")
+    decoder = BatchedDecoder(target, proposer(target) if proposer else None, tree_size=tree_size)
+    results = decoder.generate([sampling.PROMPT] * sampling.SAMPLES, 3, params.temperature, params.top_k,
+                               params.top_p, seeds=list(range(sampling.SAMPLES)), batch_size=batch_size)
+    vocab = sampling.VOCAB
+    counts = torch.zeros(vocab ** 3)
+    for result in results:
+        x1, x2, x3 = result.tokens
+        counts[x1 * vocab * vocab + x2 * vocab + x3] += 1
+    expected = sampling.exact_joint(params).flatten() * sampling.SAMPLES
+    assert counts[expected == 0].sum() == 0, "sampled a sequence the target gives zero probability"
+    rare = expected < 5
+    observed = torch.cat([counts[~rare], counts[rare].sum()[None]])
+    wanted = torch.cat([expected[~rare], expected[rare].sum()[None]])
+    keep = wanted > 0
+    scale = observed.sum().item() / wanted[keep].sum().item()
+    return float(chisquare(observed[keep].numpy(), wanted[keep].numpy() * scale).pvalue)
+
+
+@pytest.mark.parametrize("name,params,batch_size", [
+    ("none", SamplingParams(temperature=1.0), 64),
+    ("draft-chain-sampled", SamplingParams(temperature=1.0), 64),
+    ("random", SamplingParams(1.3, top_k=3), 16)], ids=["none-T1", "draft-chain-T1", "random-T1.3-top_k3"])
+def test_batched_sampling_matches_the_target_distribution(name, params, batch_size):
+    assert batched_p_value(sampling.PROPOSERS[name], params, batch_size=batch_size) > 1e-3
+
+
+def test_a_rows_sample_does_not_depend_on_its_neighbours():
+    """A row draws from its own seeded stream only: alone, next to other prompts or seeds, at any batch size, and
+    in the single-prompt decoder, a prompt and seed give the same tokens."""
+    target = target_for("llama")
+    draft = target_from_model(tiny_model("llama", seed=1, vocab_size=VOCAB), identity="draft")
+    proposer = DraftModelProposer(draft, target, "chain", depth=3)  # draws its drafts from the row's stream
+    decoder = BatchedDecoder(target, proposer, tree_size=4)
+    prompt, seed = PROMPTS[2], 11
+    alone = SpeculativeDecoder(target, proposer, tree_size=4).generate(prompt, NEW_TOKENS, temperature=1.0,
+                                                                        seed=seed).tokens
+    layouts = [([prompt], [seed], 1),
+               ([PROMPTS[1], prompt, PROMPTS[0]], [1, seed, 2], 3),
+               ([PROMPTS[3], PROMPTS[4], PROMPTS[0], prompt, PROMPTS[1]], [5, 6, 7, seed, 8], 2),
+               ([prompt, prompt, prompt], [3, seed, 4], 8)]
+    for prompts, seeds, batch_size in layouts:
+        results = decoder.generate(prompts, NEW_TOKENS, temperature=1.0, seeds=seeds, batch_size=batch_size)
+        assert results[seeds.index(seed)].tokens == alone, f"{len(prompts)} prompts, batch {batch_size}"
+    # and the neighbours do differ from it, so the check means something
+    others = decoder.generate([prompt] * 3, NEW_TOKENS, temperature=1.0, seeds=[1, 2, 3])
+    assert any(result.tokens != alone for result in others)
+
+
+class FixedTrees:
+    """Row r (in the order rows start) always gets the tree of shape ``shapes[r]``: (parents of the nodes after the
+    root, their tokens)."""
+
+    name, hidden_layers, needs_hidden = "fixed", (), False
+
+    def __init__(self, shapes):
+        self.shapes, self.started = shapes, 0
+
+    def start(self, prompt, max_length):
+        self.started += 1
+        return self.started - 1
+
+    def propose(self, state, step):
+        parents, tokens = self.shapes[state]
+        return Tree(torch.tensor([int(step.history[-1]), *tokens]), torch.tensor([-1, *parents]))
+
+
+def verified_alone(target, history: torch.Tensor, tree: Tree) -> torch.Tensor:
+    """Logits of ``tree`` verified after ``history`` as the single-prompt decoder verifies it."""
+    cache = target.new_cache(1, 128)
+    committed = history.numel()
+    target.forward(history[None], torch.arange(committed)[None], cache, None)
+    cache.commit(committed)
+    mask = verification_mask(tree.ancestor_mask(), committed)
+    return target.forward(tree.tokens[None], tree.position_ids(committed)[None], cache, mask,
+                          prefix_len=committed).logits[0]
+
+
+@pytest.mark.parametrize("arch,attention", [("llama", "sdpa"), ("mistral", "sdpa"), ("mistral", "cascade"),
+                                            ("gemma2", "sdpa")])
+def test_one_pass_gives_every_row_its_own_logits(arch, attention, monkeypatch):
+    """Rows of different committed lengths and trees of different sizes and shapes (padded to the largest) in one
+    pass: every real node gets the logits it gets verified alone, past a sliding window too (a chain deeper than the
+    window in a row a few slots shorter than the longest), and every output of the pass, padding included, is
+    finite."""
+    target = target_for(arch)
+    generator = torch.Generator().manual_seed(0)
+
+    def tokens(count):
+        return torch.randint(0, VOCAB, (count,), generator=generator).tolist()
+
+    chain = list(range(7))  # parents of a 7-node chain below the root: depth 7, past the window of 6
+    shapes = [([], []), ([0, 0, 0, 0, 0, 5, 6], tokens(7)), (chain, tokens(7)), (chain, tokens(7)),
+              ([0, 1, 2], tokens(3))]
+    prompts = [torch.tensor(tokens(length)) for length in (3, 9, 12, 15, 15)]
+    decoder = BatchedDecoder(target, FixedTrees(shapes), tree_size=8, attention=attention)
+    outputs = []
+    forward = target.forward
+    monkeypatch.setattr(target, "forward", lambda *args, **kwargs: outputs.append(forward(*args, **kwargs))
+                        or outputs[-1])
+    cache = target.new_cache(len(prompts), 64)
+    with torch.inference_mode():
+        rows = decoder._prefill(cache, list(range(len(prompts))), prompts, 20, SamplingParams(), None)
+        for row in rows:
+            row.history[row.length] = row.pending[0]
+            row.length += 1
+        histories = [row.history[:row.length].clone() for row in rows]
+        decoder._step(rows, cache, SamplingParams())
+    verify = outputs[-1]
+    assert verify.hidden.shape[:2] == (len(prompts), 8) and torch.isfinite(verify.hidden).all()
+    for b, history in enumerate(histories):
+        tree = FixedTrees(shapes).propose(b, ProposeInput(history, None, (), 8, SamplingParams(), None))
+        with torch.inference_mode():
+            alone = verified_alone(target, history[:-1], tree)
+        torch.testing.assert_close(verify.logits[b, :tree.size], alone, atol=1e-5, rtol=1e-5,
+                                   msg=lambda text, row=b: f"row {row}: {text}")
+        assert int(cache.lengths[b]) == history.numel() - 1 + len(rows[b].pending)
+
+
+# -- scripts/generate.py --batch-size ---------------------------------------------------------------------------------
+
+RUN_GENERATE = r"""
+import sys
+import generate
+
+for argv in sys.argv[1:]:
+    generate.main(argv.split("|"))
+"""
+
+
+def test_generate_script_batch_size_writes_what_one_at_a_time_writes(tmp_path):
+    import json
+
+    from tests.script_runs import REPO, run_script, save_tiny_model
+
+    model_dir = save_tiny_model(tmp_path / "tiny")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in ("hello there", "a", "tell me more")))
+    common = ["--target", model_dir, "--proposer", "ngram", "--prompts", prompts, "--max-new-tokens", "10",
+              "--tree-size", "5", "--temperature", "1", "--seed", "3", "--samples", "2"]
+    outputs = {size: tmp_path / f"batch{size}.jsonl" for size in (1, 4)}
+    runs = ["|".join(str(part) for part in [*common, "--batch-size", size, "--output", out])
+            for size, out in outputs.items()]
+    finished = run_script("-c", RUN_GENERATE, *runs, cwd=REPO / "scripts")
+    assert "batches of 4" in finished.stderr
+    one, batched = ([json.loads(line) for line in out.read_text().splitlines()] for out in outputs.values())
+    assert [(line["id"], line["sample"]) for line in batched] == [(i, s) for i in range(3) for s in range(2)]
+    for alone, together in zip(one, batched):
+        assert set(together) == set(alone)
+        assert together["output_ids"] == alone["output_ids"] and together["text"] == alone["text"]
+        assert together["accept_lengths"] == alone["accept_lengths"]
