@@ -38,9 +38,10 @@ import torch
 
 from runtime.acceptance import greedy_accept, rejection_accept, typical_accept
 from runtime.attention import BACKENDS, default_backend
-from runtime.cost_model import adaptive_sizer
+from runtime.cost_model import batch_tree_size
 from runtime.decoder import GenerationResult, SpeculativeDecoder, Stops
 from runtime.kv_cache import KVCache
+from runtime.monitor import monitor_for
 from runtime.proposers.base import NoProposer, Proposer, ProposeInput
 from runtime.sampling import SamplingParams, new_generator, processed_probs
 from runtime.target import Target
@@ -95,10 +96,14 @@ class _Row:
 class BatchedDecoder:
     """Generate for several prompts at once with ``target``, drafting with ``proposer`` (one proposer state per row).
 
-    tree_size: the verified tree's size (nodes, root included) for every row and step; None takes the size a
-    ``runtime.tree_sizing.TreeSizer`` starts from for this proposer (its measured size, or the best size for its
-    prior acceptance on this machine's cost curve) and keeps it. attention and acceptance as in
-    ``runtime.decoder.SpeculativeDecoder``. ``stats`` describes the latest run (``BatchStats``).
+    tree_size: the verified tree's size (nodes, root included) for every row and step; None chooses it for each
+    run from the cost curve measured at the run's batch size (``runtime.cost_model.batch_tree_size``: the size
+    shrinks as the batch grows, to plain decoding where drafting stops paying) and keeps it for the run, so a
+    row's trees never depend on what its neighbours accept. attention and acceptance as in
+    ``runtime.decoder.SpeculativeDecoder``. ``stats`` describes the latest run (``BatchStats``). ``monitor``: the
+    proposer's rolling depth-1 acceptance over every row of every run, with a warning when it stays far below what
+    its head measured in training (``runtime.monitor.AcceptanceMonitor``); a row's own rate is its result's
+    ``depth_acceptance[0]``.
     """
 
     def __init__(self, target: Target, proposer: Proposer | None = None, tree_size: int | None = None,
@@ -113,19 +118,14 @@ class BatchedDecoder:
         self.proposer = proposer if proposer is not None else NoProposer()
         self.attention = default_backend(target.device, target.dtype) if attention == "auto" else attention
         self.acceptance = acceptance
+        self.fixed_tree_size = tree_size
         if tree_size is not None:
             self.tree_size_reason = f"fixed at {tree_size} (tree_size={tree_size})"
-        else:
-            sizer = adaptive_sizer(target, self.proposer)
-            if sizer is None:
-                tree_size, self.tree_size_reason = 1, f"1: the {self.proposer.name} proposer drafts nothing"
-            else:
-                tree_size = sizer.current
-                why = ("the proposer's measured size" if sizer.started
-                       else "the best size for its prior acceptance on this machine's cost curve")
-                self.tree_size_reason = f"fixed at {tree_size} ({why})"
+        else:  # chosen for the batch size of each run (``batch_tree_size``)
+            self.tree_size_reason = "chosen per run from the cost curve at its batch size"
         self.tree_size = tree_size
         self.stats = BatchStats()
+        self.monitor = monitor_for(self.proposer)
 
     def tree_size_report(self) -> dict:
         """How the tree size was chosen (as ``SpeculativeDecoder.tree_size_report``; the size never changes here)."""
@@ -187,6 +187,11 @@ class BatchedDecoder:
         started = time.perf_counter()
         queue = deque(range(len(prompts)))
         width = min(batch_size, len(prompts))
+        if self.fixed_tree_size is None:
+            # Greedy output does not depend on the tree, so the size may follow the batch; a sampled row's draws
+            # do, and must not depend on how many rows share its batch: sampling keeps the one-row size.
+            self.tree_size, reason = batch_tree_size(self.target, self.proposer, width if sampling.greedy else 1)
+            self.tree_size_reason = f"fixed for this run at {reason}"
         max_length = max(prompt.numel() for prompt in prompts) + max_new_tokens + self.tree_size + 1
         settings = (prompts, max_new_tokens, sampling, seeds)
         with torch.inference_mode():
@@ -344,6 +349,7 @@ class BatchedDecoder:
             result.target_forwards += 1
             result.tree_sizes.append(tree.size)
             SpeculativeDecoder._count_depths(result, tree, len(path) - 1)
+            self.monitor.observe(tree.max_depth, len(path) - 1)
             row.pending = cpu_trees[b][0][path[1:]].tolist() + [bonus]
             if proposer.needs_hidden or proposer.hidden_layers:
                 index = torch.tensor(path, device=device)

@@ -26,9 +26,14 @@ SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 ADAPTIVE_MAX_SIZE = 32  # the largest tree adaptive sizing considers
 
 
-def _curve_path(target: Target):
+BATCH_SIZES = (1, 2, 4, 6, 8, 12, 16)  # tree sizes measured for several rows: larger passes cost too much to try
+
+
+def _curve_path(target: Target, batch_size: int = 1):
     machine = f"{platform.processor()}-{platform.machine()}-{os.cpu_count()}-{torch.get_num_threads()}"
     key = f"{target.identity}|{target.dtype}|{target.device}|{machine}|{torch.__version__}"
+    if batch_size > 1:
+        key += f"|rows={batch_size}"
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     return cache_dir() / "cost_curves" / f"{digest}.json"
 
@@ -42,12 +47,16 @@ def synchronized_seconds(device: torch.device, started: float) -> float:
 
 
 @torch.inference_mode()
-def measure_cost_curve(target: Target, context: int = 256, sizes=SIZES, repeats: int = 5) -> dict[int, float]:
-    """Median seconds of a T-token tree pass after ``context`` cached tokens, divided by the T = 1 time."""
+def measure_cost_curve(target: Target, context: int = 256, sizes=SIZES, repeats: int = 5,
+                       batch_size: int = 1) -> dict[int, float]:
+    """Median seconds of a pass of ``batch_size`` rows of T-token trees after ``context`` cached tokens, divided by
+    the T = 1 time at the same batch size."""
     device = target.device
-    cache = target.new_cache(1, context + max(sizes) + 1)
-    prompt = torch.randint(0, target.vocab_size, (1, context), device=device)
-    target.forward(prompt, torch.arange(context, device=device)[None], cache, None, logits_from=context - 1)
+    rows = batch_size
+    cache = target.new_cache(rows, context + max(sizes) + 1)
+    prompt = torch.randint(0, target.vocab_size, (rows, context), device=device)
+    target.forward(prompt, torch.arange(context, device=device).expand(rows, -1), cache, None,
+                   logits_from=context - 1)
     cache.commit(context)
     timings: dict[int, list[float]] = {size: [] for size in sizes}
     for _ in range(repeats + 1):  # the first round warms up and is dropped
@@ -56,19 +65,22 @@ def measure_cost_curve(target: Target, context: int = 256, sizes=SIZES, repeats:
             mask = verification_mask(tree.ancestor_mask(), context) if size > 1 else None
             positions = tree.position_ids(context)[None]
             started = time.perf_counter()
-            target.forward(tree.tokens[None], positions, cache, mask)
+            target.forward(tree.tokens.expand(rows, -1), positions.expand(rows, -1), cache, mask)
             timings[size].append(synchronized_seconds(device, started))
     base = statistics.median(timings[1][1:])
     return {size: statistics.median(values[1:]) / base for size, values in timings.items()}
 
 
-def cost_curve(target: Target) -> dict[int, float]:
-    """The cached curve for this target and machine, measured on first use (a few seconds)."""
-    path = _curve_path(target)
+def cost_curve(target: Target, batch_size: int = 1) -> dict[int, float]:
+    """The cached curve for this target, machine and batch size, measured on first use (a few seconds)."""
+    path = _curve_path(target, batch_size)
     if path.is_file():
         return {int(k): v for k, v in json.loads(path.read_text()).items()}
-    print("[headstart] measuring the target's verification cost curve on this machine (once) ...", file=sys.stderr)
-    curve = measure_cost_curve(target)
+    rows = f" at {batch_size} rows" if batch_size > 1 else ""
+    print(f"[headstart] measuring the target's verification cost curve{rows} on this machine (once) ...",
+          file=sys.stderr)
+    sizes = SIZES if batch_size == 1 else BATCH_SIZES
+    curve = measure_cost_curve(target, sizes=sizes, batch_size=batch_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
     partial.write_text(json.dumps(curve, indent=1))
@@ -95,3 +107,22 @@ def adaptive_sizer(target: Target, proposer) -> TreeSizer | None:
     curve = {size: cost for size, cost in cost_curve(target).items() if size <= ADAPTIVE_MAX_SIZE}
     return TreeSizer(curve, proposer.expected_acceptance, start=proposer.tree_size,
                      max_depth=getattr(proposer, "depth", None) or getattr(proposer, "max_depth", None))
+
+
+def batch_tree_size(target: Target, proposer, batch_size: int) -> tuple[int, str]:
+    """(tree size, why) for ``batch_size`` rows verified together: the best size for the proposer's prior acceptance
+    on the cost curve measured at that batch size. A pass of many rows is compute-bound sooner, so extra tree nodes
+    cost more as the batch grows, and the size shrinks, down to 1 (plain decoding) where drafting no longer pays.
+    One row starts where adaptive sizing starts (a measured size, or the batch-1 curve)."""
+    if proposer.expected_acceptance <= 0:
+        return 1, f"1: the {proposer.name} proposer drafts nothing"
+    if batch_size == 1:
+        sizer = adaptive_sizer(target, proposer)
+        why = ("the proposer's measured size" if sizer.started
+               else "the best size for its prior acceptance on this machine's cost curve")
+        return sizer.current, f"{sizer.current} ({why})"
+    size = best_tree_size(cost_curve(target, batch_size), proposer.expected_acceptance)
+    why = f"the best size for its prior acceptance on this machine's cost curve at {batch_size} rows"
+    if size == 1:
+        why += ": drafting does not pay at this batch size"
+    return size, f"{size} ({why})"
