@@ -7,6 +7,10 @@ emitted per target forward, bonus included), speedup over HF greedy, and the fra
 HF greedy; ``divergence_report`` says whether each output that differs from HF greedy first differs at a near-tie.
 scripts/benchmark.py is its command line.
 
+``run_batch_benchmark`` measures throughput at a batch size N instead: total tokens/s of HF ``generate`` on
+left-padded batches of N prompts (greedy) and of our ``BatchedDecoder`` (continuous batching) at N, beside each
+method at batch 1, with every row's output compared with HF greedy decoding its prompt alone.
+
 The HF baselines run on the target's own transformers model (``target.model``, a stock model outside
 ``Target.forward``) when they run in the target's dtype; another dtype loads another copy of the target, once
 (``HFModels``).
@@ -400,6 +404,7 @@ def summarize(stats: dict[str, MethodStats], methods: dict[str, Method], decoder
             "tokens": s.tokens, "seconds": s.seconds, "draft_share": s.draft_seconds / s.seconds,
             "tree_size": decoders[name].tree_size if name in decoders else None,
             "depth_acceptance": [taken / tried for taken, tried in zip(s.depth_accepts, s.depth_attempts)],
+            "acceptance_monitor": decoders[name].monitor.report() if name in decoders else None,
         }
     return summary
 
@@ -517,6 +522,8 @@ def rescore(path: str | Path, methods: dict[str, Method] | None = None, device: 
     path = Path(path)
     results = json.loads(path.read_text())
     config = results["config"]
+    if config.get("mode") == "batch":
+        raise ValueError(f"{path} holds a batch benchmark (run_batch_benchmark), which has no divergence report")
     if methods is None:
         if "method_specs" not in config:
             raise ValueError(f"{path} does not record its methods (config.method_specs): pass rescore(methods=...)")
@@ -534,3 +541,245 @@ def rescore(path: str | Path, methods: dict[str, Method] | None = None, device: 
     results["divergences"] = score_divergences(results["records"], encoded, methods, models)
     write_atomically(path, results)
     return results["divergences"]
+
+
+# --- throughput at a batch size ---
+
+BATCH_HF_METHODS = ("hf-greedy",)  # transformers' prompt lookup and assisted generation run one prompt at a time
+
+
+def check_batch_methods(methods: dict[str, Method]) -> None:
+    """What ``run_batch_benchmark`` can run: HF greedy (in any dtype) and our decoders."""
+    for name, method in methods.items():
+        if isinstance(method, HFBaseline) and method.method not in BATCH_HF_METHODS:
+            raise ValueError(f"{name}: {method.method} runs one prompt at a time in transformers; at a batch size "
+                             f"the HF baseline is hf-greedy (in any dtype)")
+
+
+def batch_methods(methods: dict[str, Method]) -> dict[str, Method]:
+    """``methods`` without the HF baselines that do not batch (``default_methods`` for ``run_batch_benchmark``)."""
+    return {name: method for name, method in methods.items()
+            if not (isinstance(method, HFBaseline) and method.method not in BATCH_HF_METHODS)}
+
+
+def until_stop(tokens: list[int], eos: set[int]) -> list[int]:
+    """``tokens`` up to and including the first stop token (what a row of a batched ``generate`` really produced;
+    the rest is padding)."""
+    for index, token in enumerate(tokens):
+        if token in eos:
+            return tokens[: index + 1]
+    return tokens
+
+
+def left_padded(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), each [B, longest row], the rows aligned on the right."""
+    width = max(row.numel() for row in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for index, row in enumerate(rows):
+        input_ids[index, width - row.numel():] = row.cpu()
+        attention_mask[index, width - row.numel():] = 1
+    return input_ids, attention_mask
+
+
+def run_hf_batch(model, rows: list[torch.Tensor], max_new_tokens: int, eos: list[int], pad: int
+                 ) -> tuple[list[list[int]], float]:
+    """HF greedy ``generate`` on ``rows`` (token ids, each [P]) as one left-padded batch: (each row's new tokens up
+    to its first stop token, seconds)."""
+    from runtime.cost_model import synchronized_seconds
+
+    input_ids, attention_mask = left_padded(rows, pad)
+    started = time.perf_counter()
+    out = model.generate(input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
+                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
+    seconds = synchronized_seconds(model.device, started)
+    stops = set(eos)
+    return [until_stop(row, stops) for row in out[:, input_ids.shape[1]:].tolist()], seconds
+
+
+def run_ours_batch(decoder, rows: list[torch.Tensor], max_new_tokens: int, batch_size: int):
+    """``decoder.generate`` (a BatchedDecoder) on ``rows``, ``batch_size`` at a time: (the GenerationResults,
+    seconds)."""
+    from runtime.cost_model import synchronized_seconds
+
+    started = time.perf_counter()
+    results = decoder.generate(rows, max_new_tokens, batch_size=batch_size)
+    return results, synchronized_seconds(decoder.target.device, started)
+
+
+def summarize_batch(batched: dict[str, MethodStats], single: dict[str, MethodStats], methods: dict[str, Method],
+                    decoders: dict, single_decoders: dict, batch_size: int) -> dict:
+    """Per method: total tokens/s at ``batch_size`` (``tokens_per_s``) and at batch 1 (``tokens_per_s_batch1``),
+    the speedups over HF greedy at each (``speedup``, ``speedup_batch1``), what batching gains over the method's own
+    batch-1 run (``batch_gain``), tau at each, and the fraction of rows token-identical to HF greedy decoding each
+    prompt alone (``identical``, ``identical_batch1``). With HF greedy in several dtypes,
+    ``speedup_vs_fastest_hf_greedy`` is over the fastest of them at ``batch_size``."""
+    rate = {name: s.tokens / s.seconds for name, s in batched.items()}
+    rate1 = {name: s.tokens / s.seconds for name, s in single.items()}
+    greedy = [name for name, method in methods.items() if isinstance(method, HFBaseline)]
+    fastest = max(rate[name] for name in greedy)
+    summary = {}
+    for name in methods:
+        s, s1 = batched[name], single[name]
+        ours = name in decoders
+        summary[name] = {
+            "tokens_per_s": rate[name], "tokens_per_s_batch1": rate1[name],
+            "speedup": rate[name] / rate[BASELINE], "speedup_batch1": rate1[name] / rate1[BASELINE],
+            **({"speedup_vs_fastest_hf_greedy": rate[name] / fastest} if len(greedy) > 1 else {}),
+            "batch_gain": rate[name] / rate1[name],
+            "tau": statistics.mean(s.accept_lengths) if s.accept_lengths else 1.0,
+            "tau_batch1": statistics.mean(s1.accept_lengths) if s1.accept_lengths else 1.0,
+            "identical": s.identical / s.prompts, "identical_batch1": s1.identical / s1.prompts,
+            "tokens": s.tokens, "seconds": s.seconds, "tokens_batch1": s1.tokens, "seconds_batch1": s1.seconds,
+            "draft_share": s.draft_seconds / s.seconds, "draft_share_batch1": s1.draft_seconds / s1.seconds,
+            "tree_size": decoders[name].tree_size if ours else None,
+            "tree_size_batch1": single_decoders[name].tree_size_report()["reason"] if ours else None,
+            "depth_acceptance": [taken / tried for taken, tried in zip(s.depth_accepts, s.depth_attempts)],
+            "acceptance_monitor": decoders[name].monitor.report() if ours else None,
+            "acceptance_monitor_batch1": single_decoders[name].monitor.report() if ours else None,
+        }
+    return summary
+
+
+def batch_markdown_table(summary: dict, batch_size: int) -> str:
+    """The batch benchmark's summary as a markdown table."""
+    n = f"@{batch_size}"
+    lines = [f"| method | tokens/s {n} | tokens/s @1 | speedup vs HF greedy {n} | speedup @1 | batch gain | tau {n} "
+             f"| identical {n} | identical @1 |", "|---|" + "---:|" * 8]
+    for name, row in summary.items():
+        lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {row['tokens_per_s_batch1']:.1f} | "
+                     f"{row['speedup']:.2f}x | {row['speedup_batch1']:.2f}x | {row['batch_gain']:.2f}x | "
+                     f"{row['tau']:.2f} | {row['identical']:.0%} | {row['identical_batch1']:.0%} |")
+    return "\n".join(lines)
+
+
+def run_batch_benchmark(target, target_name: str, methods: dict[str, Method], prompts: list[dict],
+                        output: str | Path, *, batch_size: int, max_new_tokens: int = 256,
+                        tree_size: int | None = None, chunk_size: int | None = None,
+                        prompts_source: str | None = None, stride: int = 1, progress: bool = True) -> dict:
+    """Total tokens/s at ``batch_size`` rows and at batch 1, greedy, per method; writes the results to ``output``
+    (JSON: ``methods`` (``summarize_batch``), ``config``, ``records`` (every row's output)) and returns them.
+
+    HF greedy (``HFBaseline('hf-greedy')``, any dtype; added first when ``methods`` lacks it) runs ``generate`` on
+    left-padded batches of ``batch_size`` prompts (padded with the tokenizer's pad token, else EOS), each row counted
+    up to its first stop token, and on each prompt alone. Our methods (``DecoderMethod``) decode every prompt with a
+    ``BatchedDecoder`` of ``batch_size`` rows (continuous batching: a finished row's place goes to the next prompt)
+    and with a ``SpeculativeDecoder`` at batch 1. Rates are total new tokens over total wall seconds. Every output
+    row, batched or not, is compared with HF greedy (in the target's dtype) decoding its prompt alone:
+    ``identical`` is the fraction of rows equal to it (HF's own batched rows can differ, as left padding changes
+    its numerics).
+
+    Timings follow a warm-up of every method at both batch sizes. The prompts go in chunks of ``chunk_size``
+    (rounded up to a multiple of ``batch_size``; None: all prompts, one chunk): per chunk every method runs it at
+    ``batch_size``, in an order rotated from chunk to chunk, then every prompt of it at batch 1, methods interleaved
+    per prompt, so drift of the machine hits all methods alike. ``tree_size``: as in ``run_benchmark``.
+    """
+    from tqdm import tqdm
+
+    from runtime.batched import BatchedDecoder
+    from runtime.decoder import SpeculativeDecoder
+    from runtime.prompts import batch_pad_token_id, encode_prompt
+    from runtime.proposers import build_proposer
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 (prompts), got {chunk_size}")
+    if BASELINE not in methods:
+        methods = {BASELINE: HFBaseline("hf-greedy"), **methods}
+    check_methods(methods, target.num_layers)
+    check_batch_methods(methods)
+    if not prompts:
+        raise ValueError("run_batch_benchmark needs at least one prompt")
+    output = Path(output)
+    models = HFModels(target, target_name)
+    eos = sorted(target.eos_token_ids)
+    if not eos:
+        raise ValueError("the target has no end-of-sequence token: HF generate needs one to pad finished rows with")
+    tokenizer = target.tokenizer
+    pad = batch_pad_token_id(tokenizer) if tokenizer is not None else eos[0]
+    decoders, single_decoders = {}, {}
+    for name, method in methods.items():
+        if isinstance(method, DecoderMethod):
+            proposer = build_proposer(method.proposer, target)
+            size = method.tree_size or tree_size
+            decoders[name] = BatchedDecoder(target, proposer, tree_size=size)
+            single_decoders[name] = SpeculativeDecoder(target, proposer, tree_size=size)
+    counters = {name: models.counter(method.dtype) for name, method in methods.items()
+                if isinstance(method, HFBaseline)}
+
+    def run_batched(name, rows, new_tokens):
+        """[(tokens, GenerationResult or None)] for ``rows`` at ``batch_size``, and the seconds they took."""
+        if name in decoders:
+            results, seconds = run_ours_batch(decoders[name], rows, new_tokens, batch_size)
+            return [(result.tokens, result) for result in results], seconds
+        outputs, seconds = [], 0.0
+        model = models.model(methods[name].dtype)
+        for start in range(0, len(rows), batch_size):
+            tokens, took = run_hf_batch(model, rows[start:start + batch_size], new_tokens, eos, pad)
+            outputs.extend((row, None) for row in tokens)
+            seconds += took
+        return outputs, seconds
+
+    def run_single(name, ids, new_tokens):
+        if name in single_decoders:
+            return run_ours(single_decoders[name], ids, new_tokens, 0.0, 0)
+        method = methods[name]
+        return run_hf(models.model(method.dtype), counters[name], ids, method, new_tokens, eos)
+
+    def add(s: MethodStats, tokens: list[int], details) -> None:
+        s.tokens += len(tokens)
+        s.prompts += 1
+        if details is not None:
+            s.draft_seconds += details.draft_seconds
+            s.accept_lengths.extend(details.accept_lengths)
+            s.add_depths(details.depth_attempts, details.depth_accepts)
+
+    names = list(methods)
+    try:
+        encoded = [encode_prompt(tokenizer, p["prompt"]) for p in prompts]
+        for name in names:  # warm-up at both batch sizes (the batched decoder sizes its tree for its width here)
+            run_batched(name, encoded[:batch_size], 16)
+            run_single(name, encoded[0], 16)
+        batched = {name: MethodStats() for name in names}
+        single = {name: MethodStats() for name in names}
+        records = [{"id": p["id"], "outputs": {}, "outputs_batch1": {}} for p in prompts]
+        config = {"mode": "batch", "batch_size": batch_size, "chunk_size": chunk_size, "target": target_name,
+                  "dtype": dtype_name(target.dtype), "prompts": prompts_source or "mt-bench", "stride": stride,
+                  "n_prompts": len(prompts), "max_new_tokens": max_new_tokens, "temperature": 0.0, "pad_token_id": pad,
+                  "threads": torch.get_num_threads(), "torch": torch.__version__,
+                  "machine": machine_description(target.device),
+                  "method_specs": {name: method_to_json(method) for name, method in methods.items()}}
+        step = len(prompts) if chunk_size is None else -(-chunk_size // batch_size) * batch_size
+        chunks = [list(range(start, min(start + step, len(prompts)))) for start in range(0, len(prompts), step)]
+        done = 0
+        for number, chunk in enumerate(tqdm(chunks, desc="batch benchmark", file=sys.stderr,
+                                            disable=not progress or len(chunks) == 1)):
+            rows = [encoded[index] for index in chunk]
+            for name in names[number % len(names):] + names[: number % len(names)]:
+                outputs, seconds = run_batched(name, rows, max_new_tokens)
+                batched[name].seconds += seconds
+                for index, (tokens, details) in zip(chunk, outputs):
+                    records[index]["outputs"][name] = tokens
+                    add(batched[name], tokens, details)
+            for index in chunk:
+                for name in names[index % len(names):] + names[: index % len(names)]:
+                    tokens, seconds, _, details = run_single(name, encoded[index], max_new_tokens)
+                    records[index]["outputs_batch1"][name] = tokens
+                    single[name].seconds += seconds
+                    single[name].per_prompt_tps.append(len(tokens) / seconds)
+                    add(single[name], tokens, details)
+                reference = records[index]["outputs_batch1"][BASELINE]
+                for name in names:
+                    batched[name].identical += records[index]["outputs"][name] == reference
+                    single[name].identical += records[index]["outputs_batch1"][name] == reference
+            done += len(chunk)
+            write_atomically(output, {
+                "methods": summarize_batch(batched, single, methods, decoders, single_decoders, batch_size),
+                "config": {**config, "n_prompts_done": done}, "records": records[:done]})
+        summary = summarize_batch(batched, single, methods, decoders, single_decoders, batch_size)
+    finally:
+        models.close()
+    results = {"methods": summary, "config": config, "records": records}
+    write_atomically(output, results)
+    return results

@@ -11,6 +11,7 @@ import torch
 from runtime.acceptance import greedy_accept, rejection_accept, typical_accept
 from runtime.attention import BACKENDS, default_backend
 from runtime.cost_model import adaptive_sizer, synchronized_seconds
+from runtime.monitor import monitor_for
 from runtime.proposers.base import NoProposer, Proposer, ProposeInput
 from runtime.sampling import SamplingParams, new_generator, processed_probs, sample
 from runtime.target import Target
@@ -102,6 +103,10 @@ class SpeculativeDecoder:
     acceptance: "exact" (greedy at temperature 0, lossless rejection sampling otherwise) or "typical" (Medusa's
     lossy typical acceptance, opt-in). attention: a backend of runtime.attention, or "auto": the flash-attn cascade
     where flash-attn runs (CUDA, fp16/bf16, installed), SDPA otherwise.
+
+    ``monitor``: the proposer's rolling depth-1 acceptance over every generation of this decoder, updated at each
+    verification, with a warning when it stays far below what its head measured in training
+    (``runtime.monitor.AcceptanceMonitor``; ``decoder.monitor.report()``).
     """
 
     def __init__(self, target: Target, proposer: Proposer | None = None, tree_size: int | None = None,
@@ -128,6 +133,7 @@ class SpeculativeDecoder:
             self.tree_size_reason = f"adaptive, starting at {start} ({why}), up to {self.sizer.largest}"
         # the largest tree a step may ask for: what buffers are sized for
         self.tree_size = tree_size if self.sizer is None else self.sizer.largest
+        self.monitor = monitor_for(self.proposer)
 
     def tree_size_report(self) -> dict:
         """How the tree size was chosen, and (adaptive) the sizes used so far and the acceptance learnt."""
@@ -169,7 +175,8 @@ class SpeculativeDecoder:
                       stop_token_ids: Sequence[int] | None = None, stop_strings: Sequence[str] | None = None,
                       tokenizer=None) -> Generator[list[int], None, GenerationResult]:
         """``generate`` as an iterator: yields each chunk of accepted tokens (a list of ids) as it is verified; the
-        GenerationResult is the iterator's return value (``StopIteration.value``)."""
+        GenerationResult is the iterator's return value (``StopIteration.value``). The proposer's rolling acceptance
+        is ``self.monitor.rate`` as each chunk is yielded (the chunk's own verification included)."""
         target, device = self.target, self.target.device
         prompt = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(-1)
         prompt_len = prompt.numel()
@@ -221,6 +228,7 @@ class SpeculativeDecoder:
                     timed = tree.size == size and sampling.greedy
                     seconds = synchronized_seconds(device, drafting) if timed else None
                     self.sizer.observe(size, tree.max_depth, len(path) - 1, seconds)
+                self.monitor.observe(tree.max_depth, len(path) - 1)
                 result.target_forwards += 1
                 result.tree_sizes.append(tree.size)
                 self._count_depths(result, tree, len(path) - 1)

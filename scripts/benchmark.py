@@ -5,6 +5,12 @@
 Default prompts: the 80 MT-bench first turns. Methods run interleaved per prompt (machine drift hits all alike),
 batch 1, after a warm-up. Per method: tokens/s, tau (tokens emitted per target forward, bonus included), speedup
 over HF greedy, and the fraction of outputs token-identical to HF greedy. Run it with nothing else on the machine.
+
+    python scripts/benchmark.py --batch-size 8 --limit 32 --methods hf-greedy,none,ngram --output batch.json
+
+--batch-size N measures throughput instead (greedy): total tokens/s of HF generate on left-padded batches of N
+prompts, and of our batched decoder (continuous batching) at N rows, beside each method at batch 1, with every
+row's output compared with HF greedy decoding that prompt alone (HF greedy is the only HF method that batches).
 The machinery is runtime.benchmark; this script parses the command line.
 """
 
@@ -17,13 +23,14 @@ from pathlib import Path
 
 import torch
 
-from runtime.benchmark import (default_methods, describe_divergences, markdown_table, method_from_json, rescore,
+from runtime.benchmark import (batch_markdown_table, batch_methods, check_batch_methods, default_methods,
+                               describe_divergences, markdown_table, method_from_json, rescore, run_batch_benchmark,
                                run_benchmark)
 from runtime.proposers import NoShippedHead
 from runtime.target import DEFAULT_TARGET, load_target
 
 from cli import (check_early_exit, check_output_path, missing_head, non_negative_float, parse_method,  # scripts/cli.py
-                 parse_methods, positive_int, read_prompts_or_exit)
+                 parse_methods, positive_int, read_prompts_or_exit, usage_error)
 
 DEFAULT_METHODS = "hf-greedy,hf-pld,none,ngram"
 
@@ -54,11 +61,54 @@ def parse_args(argv=None):
     parser.add_argument("--rescore", metavar="RESULTS",
                         help="only recompute the divergence report of a finished results file")
     parser.add_argument("--plot", help="PNG of per-method accept-length histograms (default: beside --output)")
+    parser.add_argument("--batch-size", type=positive_int,
+                        help="measure total tokens/s at N rows (HF greedy on left-padded batches, our batched "
+                             "decoder) beside batch 1, greedy (default: the batch-1 benchmark)")
+    parser.add_argument("--batch-chunk", type=positive_int,
+                        help="with --batch-size: prompts per interleaved round (rounded up to a multiple of the "
+                             "batch size; default: all prompts in one round)")
     return parser.parse_args(argv)
+
+
+def check_batch_arguments(args, methods) -> None:
+    """What the batch benchmark cannot do, as command-line errors before anything loads."""
+    if args.batch_size is None:
+        if args.batch_chunk is not None:
+            raise usage_error("--batch-chunk", "is for the batch benchmark; give --batch-size N as well")
+        return
+    if args.temperature != 0:
+        raise usage_error("--temperature", "the batch benchmark is greedy (its baseline is HF greedy); leave "
+                                           "--temperature out with --batch-size")
+    if args.plot is not None:
+        raise usage_error("--plot", "the accept-length histograms are the batch-1 benchmark's; leave --plot out "
+                                    "with --batch-size")
+    try:
+        check_batch_methods(methods)
+    except ValueError as error:
+        raise usage_error("--methods", str(error)) from None
+
+
+def run_batch(args, methods, prompts) -> int:
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    check_early_exit(methods, target.num_layers)
+    output = Path(args.output)
+    try:
+        results = run_batch_benchmark(target, args.target, methods, prompts, output, batch_size=args.batch_size,
+                                      max_new_tokens=args.max_new_tokens, tree_size=args.tree_size,
+                                      chunk_size=args.batch_chunk, prompts_source=args.prompts, stride=args.stride)
+    except NoShippedHead as error:
+        raise missing_head(error, "--methods", f"{error.head_type}:DIR") from None
+    print(batch_markdown_table(results["methods"], args.batch_size))
+    print(f"\n{len(prompts)} prompts, batch size {args.batch_size}, {args.max_new_tokens} new tokens, greedy, "
+          f"{args.dtype}; results in {output}", file=sys.stderr)
+    return 0
 
 
 def rescore_file(path: Path, device: str) -> int:
     results = json.loads(path.read_text())
+    if results["config"].get("mode") == "batch":
+        raise usage_error("--rescore", f"{path} holds a batch benchmark (--batch-size), which has no divergence "
+                                       "report to recompute")
     specs = results["config"].get("method_specs")
     # A file written before the methods were recorded: its method names are the --methods spellings. Rescoring
     # needs only the dtype each ran in, not the draft model of draft or hf-assisted, which the file does not keep.
@@ -76,9 +126,14 @@ def main(argv=None) -> int:
         return rescore_file(Path(args.rescore), args.device)
     methods = (parse_methods(args.methods, draft_model=args.draft_model) if args.methods else
                default_methods(args.target, args.draft_model))
+    if args.batch_size is not None and not args.methods:
+        methods = batch_methods(methods)  # the HF baselines that batch
+    check_batch_arguments(args, methods)
     prompts = read_prompts_or_exit(args.prompts)[:: args.stride][: args.limit]
     check_output_path(args.output)
     check_output_path(args.plot, "--plot")
+    if args.batch_size is not None:
+        return run_batch(args, methods, prompts)
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     check_early_exit(methods, target.num_layers)
     output = Path(args.output)

@@ -24,7 +24,9 @@ def load_head_proposer(head_type: str, head_dir: str, target) -> Proposer:
     Tree defaults come from the head's config: ``depth`` and ``top_k`` for EAGLE, optionally ``size`` (the verified
     tree size measured best by scripts/tune_tree.py, used for targets in the dtype it was measured in, ``size_dtype``)
     for both head types, and the acceptance measured during training
-    (``acceptance``, acc@1..K), which calibrates Medusa's static tree and otherwise sizes the verified tree.
+    (``acceptance``, acc@1..K), which calibrates Medusa's static tree and otherwise sizes the verified tree; its
+    acc@1 is the proposer's ``trained_acceptance`` (None when the config has none), which ``runtime.monitor`` holds
+    the rolling acceptance to.
     A Medusa-2 head (trained with LoRA adapters on its target) loads only for a target with those adapters merged
     in (``scripts/export.py --merged-target``).
     """
@@ -45,12 +47,16 @@ def load_head_proposer(head_type: str, head_dir: str, target) -> Proposer:
     if head_type == "medusa":
         from runtime.proposers.medusa import MedusaProposer
 
-        return MedusaProposer(head, head_accuracy=accuracy[: head.num_heads] if accuracy else None,
-                              tree_size=tree_size)
-    from runtime.proposers.eagle import EagleProposer
+        proposer = MedusaProposer(head, head_accuracy=accuracy[: head.num_heads] if accuracy else None,
+                                  tree_size=tree_size)
+    else:
+        from runtime.proposers.eagle import EagleProposer
 
-    return EagleProposer(head, target, depth=int(tree.get("depth", 6)), top_k=int(tree.get("top_k", 8)),
-                         expected_acceptance=accuracy[0] if accuracy else 0.6, tree_size=tree_size)
+        proposer = EagleProposer(head, target, depth=int(tree.get("depth", 6)), top_k=int(tree.get("top_k", 8)),
+                                 expected_acceptance=accuracy[0] if accuracy else 0.6, tree_size=tree_size)
+    # acc@1 measured in training, what runtime.monitor holds the rolling acceptance to (None: not measured)
+    proposer.trained_acceptance = float(accuracy[0]) if accuracy else None
+    return proposer
 
 
 def measured_tree_size(tree: dict, head_dir: str, target) -> int | None:
