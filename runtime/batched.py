@@ -290,6 +290,11 @@ class BatchedDecoder:
         target, device, proposer = self.target, self.target.device, self.proposer
         trees: list[Tree] = []
         for row in rows:
+            if self.tree_size == 1:
+                # the size is fixed for the run: a proposer that may draft nothing need not read anything either
+                # (an EAGLE head would otherwise still run over every verified row)
+                trees.append(Tree.chain(int(row.history[row.length - 1]), [], device=device))
+                continue
             step = ProposeInput(row.history[:row.length], row.new_hidden, row.new_layer_hidden, self.tree_size,
                                 sampling, row.generator)
             drafting = time.perf_counter()

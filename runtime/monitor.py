@@ -48,7 +48,7 @@ class AcceptanceMonitor:
     observed before any warning (a rate over a few passes says little). name: the proposer, for the message.
     """
 
-    def __init__(self, expected: float | None, window: int = 64, tolerance: float = 0.5, min_passes: int = 64,
+    def __init__(self, expected: float | None, window: int = 128, tolerance: float = 0.5, min_passes: int = 128,
                  name: str = "proposer"):
         if window < 1:
             raise ValueError(f"window must be >= 1 (drafting passes), got {window}")

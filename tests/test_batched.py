@@ -430,3 +430,18 @@ def test_generate_script_batch_size_writes_what_one_at_a_time_writes(tmp_path):
         assert set(together) == set(alone)
         assert together["output_ids"] == alone["output_ids"] and together["text"] == alone["text"]
         assert together["accept_lengths"] == alone["accept_lengths"]
+
+
+def test_a_run_without_drafting_never_calls_the_proposer():
+    """When the batch's tree size is 1 (drafting does not pay at that batch size), rows decode plainly and the
+    proposer (an EAGLE head would read every verified row) is not run at all."""
+    from tests.proposers_for_tests import BadProposer
+
+    class Refusing(BadProposer):
+        def propose(self, state, step):
+            raise AssertionError("the proposer ran in a run that drafts nothing")
+
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    prompts = [[1, 2, 3], list(range(10, 30))]
+    results = BatchedDecoder(target, Refusing(), tree_size=1).generate(prompts, 12, batch_size=2)
+    assert [r.tokens for r in results] == [hf_greedy("llama", p, 12) for p in prompts]
