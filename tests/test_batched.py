@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from runtime.attention import sliding_window_mask
 from runtime.batched import BatchedDecoder
@@ -283,19 +282,7 @@ def batched_p_value(proposer, params: SamplingParams, tree_size: int = 4, batch_
     decoder = BatchedDecoder(target, proposer(target) if proposer else None, tree_size=tree_size)
     results = decoder.generate([sampling.PROMPT] * sampling.SAMPLES, 3, params.temperature, params.top_k,
                                params.top_p, seeds=list(range(sampling.SAMPLES)), batch_size=batch_size)
-    vocab = sampling.VOCAB
-    counts = torch.zeros(vocab ** 3)
-    for result in results:
-        x1, x2, x3 = result.tokens
-        counts[x1 * vocab * vocab + x2 * vocab + x3] += 1
-    expected = sampling.exact_joint(params).flatten() * sampling.SAMPLES
-    assert counts[expected == 0].sum() == 0, "sampled a sequence the target gives zero probability"
-    rare = expected < 5
-    observed = torch.cat([counts[~rare], counts[rare].sum()[None]])
-    wanted = torch.cat([expected[~rare], expected[rare].sum()[None]])
-    keep = wanted > 0
-    scale = observed.sum().item() / wanted[keep].sum().item()
-    return float(chisquare(observed[keep].numpy(), wanted[keep].numpy() * scale).pvalue)
+    return sampling.joint_p_value([result.tokens for result in results], params)
 
 
 @pytest.mark.parametrize("name,params,batch_size", [

@@ -43,11 +43,17 @@ def exact_joint(params: SamplingParams) -> torch.Tensor:
 def empirical_p_value(proposer, params: SamplingParams, tree_size: int = 4, device: str = "cpu") -> float:
     target = target_from_model(model(0).to(device), identity="tiny")
     decoder = SpeculativeDecoder(target, proposer(target) if proposer else None, tree_size=tree_size)
+    samples = [decoder.generate(PROMPT, 3, params.temperature, params.top_k, params.top_p, seed=seed).tokens
+               for seed in range(SAMPLES)]
+    return joint_p_value(samples, params)
+
+
+def joint_p_value(samples: list[list[int]], params: SamplingParams) -> float:
+    """Chi-square p-value of sampled (x1, x2, x3) triples against the target's exact joint distribution."""
     counts = torch.zeros(VOCAB ** 3)
-    for seed in range(SAMPLES):
-        x1, x2, x3 = decoder.generate(PROMPT, 3, params.temperature, params.top_k, params.top_p, seed=seed).tokens
+    for x1, x2, x3 in samples:
         counts[x1 * VOCAB * VOCAB + x2 * VOCAB + x3] += 1
-    expected = exact_joint(params).flatten() * SAMPLES
+    expected = exact_joint(params).flatten() * len(samples)
     assert counts[expected == 0].sum() == 0, "sampled a sequence the target gives zero probability"
     # merge rare outcomes so every bin expects at least 5 samples
     rare = expected < 5
