@@ -63,16 +63,20 @@ def flex_attention(query, key, value, mask, scale: float) -> torch.Tensor:
     return flex(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
 
 
-def attention_with_lse(query, key, value, mask, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_with_lse(query, key, value, mask, scale: float,
+                       softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference attention returning (out [B, H, T, D], lse [B, H, T]); mask [B, 1, T, S] bool or None (all).
 
     Computed in float32. A row that may attend to nothing gets out = 0 and lse = -inf, so merging ignores it.
+    ``softcap``: Gemma-2's attention logit soft-capping, scores -> softcap * tanh(scores / softcap).
     """
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     q = query.float().reshape(batch, kv_heads, groups, q_len, dim)
     scores = torch.einsum("bkgtd,bksd->bkgts", q, key.float()) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, G, T]
@@ -202,23 +206,6 @@ def sliding_window_mask(mask: torch.Tensor | None, position_ids: torch.Tensor, k
     return mask & near[:, None]
 
 
-def softcapped_attention(query, key, value, mask, scale: float, softcap: float) -> torch.Tensor:
-    """Attention with Gemma-2's logit soft-capping (scores -> softcap * tanh(scores / softcap)), in float32; no fused
-    kernel takes it. mask as in ``sdpa_attention`` (None: causal for several rows). Returns [B, H, T, D]."""
-    batch, heads, rows, dim = query.shape
-    kv_heads, keys = key.shape[1], key.shape[2]
-    q = query.float().reshape(batch, kv_heads, heads // kv_heads, rows, dim)
-    scores = torch.einsum("bkgtd,bksd->bkgts", q, key.float()) * scale
-    scores = softcap * torch.tanh(scores / softcap)
-    if mask is None and rows > 1:
-        mask = causal_mask(rows, keys, query.device)
-    if mask is not None:
-        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
-    weights = torch.nan_to_num(scores.softmax(-1), nan=0.0)  # a row that sees nothing gets zeros
-    out = torch.einsum("bkgts,bksd->bkgtd", weights, value.float())
-    return out.reshape(batch, heads, rows, dim).to(query.dtype)
-
-
 def transformers_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                                    scaling: float | None = None, tree_backend: str = "sdpa",
                                    prefix_len: int | None = None, sliding_window: int | None = None,
@@ -230,7 +217,8 @@ def transformers_attention_forward(module, query, key, value, attention_mask, dr
     sliding-window layer (its module passes ``sliding_window``) gets the window applied to the mask here, so every
     backend and every model family sees the same windowed tree mask (``key_positions``, a forward kwarg like the
     backend's, places the keys where a batch's rows have different lengths: see ``sliding_window_mask``); Gemma-2's
-    ``softcap`` goes through ``softcapped_attention``. Returns (out [B, T, H, D], None) as transformers expects.
+    ``softcap`` goes through the reference attention, which takes it. Returns (out [B, T, H, D], None) as
+    transformers expects.
     """
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     keys = key.shape[2]
@@ -240,11 +228,12 @@ def transformers_attention_forward(module, query, key, value, attention_mask, dr
         if position_ids is None:
             raise ValueError("a sliding-window layer needs position_ids to place its window; pass position_ids")
         attention_mask = sliding_window_mask(attention_mask, position_ids, keys, sliding_window, key_positions)
-    if softcap is not None:
-        out = softcapped_attention(query, key, value, attention_mask, scale, softcap)
-    elif windowed and tree_backend == "cascade":
-        # the cascade's prefix kernel sees the whole prefix; a window cuts into it, so attend over the full mask
-        out, _ = attention_with_lse(query, key, value, attention_mask, scale)
+    if softcap is not None or (windowed and tree_backend == "cascade"):
+        # No fused kernel takes soft-capping, and the cascade's prefix kernel sees the whole prefix where a window
+        # cuts into it: attend over the full mask with the reference (None is causal for several rows, as in SDPA).
+        if attention_mask is None and query.shape[2] > 1:
+            attention_mask = causal_mask(query.shape[2], keys, query.device)
+        out, _ = attention_with_lse(query, key, value, attention_mask, scale, softcap)
         out = out.to(query.dtype)
     else:
         out = tree_attention(query, key, value, attention_mask, scale, tree_backend, prefix_len)

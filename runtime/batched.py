@@ -36,14 +36,14 @@ from typing import Any
 
 import torch
 
-from runtime.acceptance import greedy_accept, rejection_accept, typical_accept
-from runtime.attention import BACKENDS, default_backend
+from runtime.acceptance import greedy_accept
 from runtime.cost_model import batch_tree_size
-from runtime.decoder import GenerationResult, SpeculativeDecoder, Stops
+from runtime.decoder import (GenerationResult, Stops, check_prompt_length, checked_backend, count_depths,
+                             drawn_accept, pick_token)
 from runtime.kv_cache import KVCache
 from runtime.monitor import monitor_for
 from runtime.proposers.base import NoProposer, Proposer, ProposeInput
-from runtime.sampling import SamplingParams, new_generator, processed_probs
+from runtime.sampling import SamplingParams, new_generator
 from runtime.target import Target
 from runtime.tree import Tree
 
@@ -108,15 +108,9 @@ class BatchedDecoder:
 
     def __init__(self, target: Target, proposer: Proposer | None = None, tree_size: int | None = None,
                  attention: str = "auto", acceptance: str = "exact"):
-        if acceptance not in ("exact", "typical"):
-            raise ValueError(f"acceptance must be 'exact' or 'typical' (lossy), got {acceptance!r}")
-        if attention != "auto" and attention not in BACKENDS:
-            raise ValueError(f"unknown attention backend {attention!r}; choose auto or one of {', '.join(BACKENDS)}")
-        if tree_size is not None and tree_size < 1:
-            raise ValueError(f"tree_size must be >= 1, got {tree_size}")
         self.target = target
         self.proposer = proposer if proposer is not None else NoProposer()
-        self.attention = default_backend(target.device, target.dtype) if attention == "auto" else attention
+        self.attention = checked_backend(target, attention, acceptance, tree_size)
         self.acceptance = acceptance
         self.fixed_tree_size = tree_size
         if tree_size is not None:
@@ -159,25 +153,15 @@ class BatchedDecoder:
         device = self.target.device
         ids = [torch.as_tensor(prompt, dtype=torch.long).reshape(-1).to(device) for prompt in prompts]
         for index, prompt in enumerate(ids):
-            self._check_length(index, prompt.numel(), max_new_tokens)
+            check_prompt_length(self.target, prompt.numel(), max_new_tokens, f"prompt {index}")
         if seeds is not None and len(seeds) != len(ids):
             raise ValueError(f"seeds has {len(seeds)} entries for {len(ids)} prompts: give one seed per prompt")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         sampling = SamplingParams(temperature, top_k, top_p)
-        stops = Stops(set(stop_token_ids) if stop_token_ids is not None else self.target.eos_token_ids,
-                      tuple(stop_strings or ()), tokenizer or self.target.tokenizer)
+        stops = Stops.for_target(self.target, stop_token_ids, stop_strings, tokenizer)
         return self._run(ids, max_new_tokens, sampling, list(seeds) if seeds is not None else None, batch_size,
                          stops)
-
-    def _check_length(self, index: int, prompt_len: int, max_new_tokens: int) -> None:
-        if prompt_len == 0:
-            raise ValueError(f"prompt {index} is empty: give at least one token")
-        limit = self.target.max_positions
-        if prompt_len + max_new_tokens > limit:
-            raise ValueError(
-                f"prompt {index} of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the target's "
-                f"context of {limit} positions; shorten the prompt or lower max_new_tokens")
 
     def _run(self, prompts: list[torch.Tensor], max_new_tokens: int, sampling: SamplingParams,
              seeds: list[int] | None, batch_size: int, stops: Stops) -> Iterator[tuple[int, GenerationResult]]:
@@ -272,7 +256,7 @@ class BatchedDecoder:
         for b, i in enumerate(indices):
             length = lengths[b]
             generator = None if sampling.greedy else new_generator(seeds[i] if seeds is not None else None)
-            first = SpeculativeDecoder._pick(logits[b], sampling, generator)
+            first = pick_token(logits[b], sampling, generator)
             row_max = length + max_new_tokens + self.tree_size + 1
             history = torch.empty(row_max, dtype=torch.long, device=device)
             history[:length] = prompts[i]
@@ -334,16 +318,7 @@ class BatchedDecoder:
             if greedy:
                 paths.append(greedy_accept(tree_tokens, parents, ancestors, argmax[b, :size]))
                 continue
-            logits = out.logits[b, :size]
-            if sampling.greedy:  # typical acceptance at temperature 0 falls back to the argmax distribution
-                probs = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-            else:
-                probs = processed_probs(logits, sampling)
-            if self.acceptance == "typical":
-                paths.append(typical_accept(tree.tokens, tree.children(), probs, row.generator))
-            else:
-                paths.append(rejection_accept(tree.tokens, tree.children(), probs, tree.proposal_probs,
-                                              row.generator))
+            paths.append(drawn_accept(tree, out.logits[b, :size], sampling, self.acceptance, row.generator))
         kept = max(len(path) for path, _ in paths)
         keep = torch.zeros(batch, kept, dtype=torch.long)
         for b, (path, _) in enumerate(paths):
@@ -353,7 +328,7 @@ class BatchedDecoder:
             result = row.result
             result.target_forwards += 1
             result.tree_sizes.append(tree.size)
-            SpeculativeDecoder._count_depths(result, tree, len(path) - 1)
+            count_depths(result, tree, len(path) - 1)
             self.monitor.observe(tree.max_depth, len(path) - 1)
             row.pending = cpu_trees[b][0][path[1:]].tolist() + [bonus]
             if proposer.needs_hidden or proposer.hidden_layers:

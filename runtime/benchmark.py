@@ -571,22 +571,12 @@ def until_stop(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens
 
 
-def left_padded(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask), each [B, longest row], the rows aligned on the right."""
-    width = max(row.numel() for row in rows)
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for index, row in enumerate(rows):
-        input_ids[index, width - row.numel():] = row.cpu()
-        attention_mask[index, width - row.numel():] = 1
-    return input_ids, attention_mask
-
-
 def run_hf_batch(model, rows: list[torch.Tensor], max_new_tokens: int, eos: list[int], pad: int
                  ) -> tuple[list[list[int]], float]:
     """HF greedy ``generate`` on ``rows`` (token ids, each [P]) as one left-padded batch: (each row's new tokens up
     to its first stop token, seconds)."""
     from runtime.cost_model import synchronized_seconds
+    from runtime.prompts import left_padded
 
     input_ids, attention_mask = left_padded(rows, pad)
     started = time.perf_counter()

@@ -118,9 +118,7 @@ def batch_tree_size(target: Target, proposer, batch_size: int) -> tuple[int, str
         return 1, f"1: the {proposer.name} proposer drafts nothing"
     if batch_size == 1:
         sizer = adaptive_sizer(target, proposer)
-        why = ("the proposer's measured size" if sizer.started
-               else "the best size for its prior acceptance on this machine's cost curve")
-        return sizer.current, f"{sizer.current} ({why})"
+        return sizer.current, f"{sizer.current} ({sizer.start_reason})"
     size = best_tree_size(cost_curve(target, batch_size), proposer.expected_acceptance)
     why = f"the best size for its prior acceptance on this machine's cost curve at {batch_size} rows"
     if size == 1:

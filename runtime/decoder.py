@@ -15,7 +15,7 @@ from runtime.monitor import monitor_for
 from runtime.proposers.base import NoProposer, Proposer, ProposeInput
 from runtime.sampling import SamplingParams, new_generator, processed_probs, sample
 from runtime.target import Target
-from runtime.tree import verification_mask
+from runtime.tree import Tree, verification_mask
 
 
 @dataclass
@@ -58,6 +58,14 @@ class Stops:
         # A stop string of n characters spans at most n tokens (every token decodes to at least one character,
         # byte-level pieces of one character aside), so the text to search is the new tokens plus that many before.
         self.lookback = max((len(text) for text in strings), default=0) + 4
+
+    @classmethod
+    def for_target(cls, target: Target, token_ids: Sequence[int] | None, strings: Sequence[str] | None,
+                   tokenizer) -> Stops:
+        """Stops for a generation on ``target``: ``token_ids`` (default its EOS ids), ``strings`` decoded with
+        ``tokenizer`` (default its tokenizer)."""
+        return cls(set(token_ids) if token_ids is not None else target.eos_token_ids, tuple(strings or ()),
+                   tokenizer or target.tokenizer)
 
     def emit(self, tokens: list[int], result: GenerationResult, max_new_tokens: int) -> list[int]:
         """Append ``tokens`` up to the first stop or the length limit to ``result``; sets ``result.stop_reason``
@@ -111,26 +119,18 @@ class SpeculativeDecoder:
 
     def __init__(self, target: Target, proposer: Proposer | None = None, tree_size: int | None = None,
                  attention: str = "auto", acceptance: str = "exact"):
-        if acceptance not in ("exact", "typical"):
-            raise ValueError(f"acceptance must be 'exact' or 'typical' (lossy), got {acceptance!r}")
         self.target = target
         self.proposer = proposer if proposer is not None else NoProposer()
-        if attention != "auto" and attention not in BACKENDS:
-            raise ValueError(f"unknown attention backend {attention!r}; choose auto or one of {', '.join(BACKENDS)}")
-        self.attention = default_backend(target.device, target.dtype) if attention == "auto" else attention
+        self.attention = checked_backend(target, attention, acceptance, tree_size)
         self.acceptance = acceptance
-        if tree_size is not None and tree_size < 1:
-            raise ValueError(f"tree_size must be >= 1, got {tree_size}")
         self.sizer = None if tree_size is not None else adaptive_sizer(target, self.proposer)
         if tree_size is not None:
             self.tree_size_reason = f"fixed at {tree_size} (tree_size={tree_size})"
         elif self.sizer is None:
             tree_size, self.tree_size_reason = 1, f"1: the {self.proposer.name} proposer drafts nothing"
         else:
-            start = self.sizer.current
-            why = ("the proposer's measured size" if self.sizer.started
-                   else "the best size for its prior acceptance on this machine's cost curve")
-            self.tree_size_reason = f"adaptive, starting at {start} ({why}), up to {self.sizer.largest}"
+            self.tree_size_reason = (f"adaptive, starting at {self.sizer.current} ({self.sizer.start_reason}), up to "
+                                     f"{self.sizer.largest}")
         # the largest tree a step may ask for: what buffers are sized for
         self.tree_size = tree_size if self.sizer is None else self.sizer.largest
         self.monitor = monitor_for(self.proposer)
@@ -138,15 +138,6 @@ class SpeculativeDecoder:
     def tree_size_report(self) -> dict:
         """How the tree size was chosen, and (adaptive) the sizes used so far and the acceptance learnt."""
         return {"reason": self.tree_size_reason, **(self.sizer.report() if self.sizer is not None else {})}
-
-    def _check_length(self, prompt_len: int, max_new_tokens: int) -> None:
-        if prompt_len == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        limit = self.target.max_positions
-        if prompt_len + max_new_tokens > limit:
-            raise ValueError(
-                f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the target's context of "
-                f"{limit} positions; shorten the prompt or lower max_new_tokens")
 
     def generate(self, input_ids: torch.Tensor | Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -180,11 +171,10 @@ class SpeculativeDecoder:
         target, device = self.target, self.target.device
         prompt = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(-1)
         prompt_len = prompt.numel()
-        self._check_length(prompt_len, max_new_tokens)
+        check_prompt_length(target, prompt_len, max_new_tokens)
         sampling = SamplingParams(temperature, top_k, top_p)
         generator = None if sampling.greedy else new_generator(seed)
-        stops = Stops(set(stop_token_ids) if stop_token_ids is not None else target.eos_token_ids,
-                      tuple(stop_strings or ()), tokenizer or target.tokenizer)
+        stops = Stops.for_target(target, stop_token_ids, stop_strings, tokenizer)
         proposer = self.proposer
         hidden_layers = proposer.hidden_layers
 
@@ -198,7 +188,7 @@ class SpeculativeDecoder:
                                  logits_from=prompt_len - 1, hidden_layers=hidden_layers, backend=self.attention,
                                  prefix_len=0)
             cache.commit(prompt_len)
-            first = self._pick(out.logits[0, -1], sampling, generator)
+            first = pick_token(out.logits[0, -1], sampling, generator)
             result = GenerationResult([], [], 1, 0.0, "length")
             length = prompt_len
             state = proposer.start(prompt, max_length)
@@ -231,7 +221,7 @@ class SpeculativeDecoder:
                 self.monitor.observe(tree.max_depth, len(path) - 1)
                 result.target_forwards += 1
                 result.tree_sizes.append(tree.size)
-                self._count_depths(result, tree, len(path) - 1)
+                count_depths(result, tree, len(path) - 1)
                 pending = tree.tokens[path[1:]].tolist() + [bonus]
                 if proposer.needs_hidden:
                     index = torch.tensor(path, device=device)
@@ -239,12 +229,6 @@ class SpeculativeDecoder:
                     new_layer_hidden = tuple(h[0, index] for h in out.layer_hidden)
         result.seconds = time.perf_counter() - started
         return result
-
-    @staticmethod
-    def _pick(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
-        if sampling.greedy:
-            return int(logits.argmax())
-        return sample(processed_probs(logits, sampling), generator)
 
     def _verify(self, tree, cache, sampling: SamplingParams, generator, hidden_layers):
         """One target pass over the tree; accept; keep only the accepted path in the cache."""
@@ -260,25 +244,59 @@ class SpeculativeDecoder:
         if sampling.greedy and self.acceptance == "exact":
             path, bonus = greedy_accept(tree.tokens, tree.parents, ancestors, logits.argmax(-1))
         else:
-            if sampling.greedy:  # typical acceptance at temperature 0 falls back to the argmax distribution
-                probs = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-            else:
-                probs = processed_probs(logits, sampling)
-            if self.acceptance == "typical":
-                path, bonus = typical_accept(tree.tokens, tree.children(), probs, generator)
-            else:
-                proposal = tree.proposal_probs
-                path, bonus = rejection_accept(tree.tokens, tree.children(), probs, proposal, generator)
+            path, bonus = drawn_accept(tree, logits, sampling, self.acceptance, generator)
         keep = torch.tensor([path], dtype=torch.long, device=device)
         cache.compact(keep, torch.tensor([len(path)], device=device))
         return path, bonus, out
 
-    @staticmethod
-    def _count_depths(result: GenerationResult, tree, accepted: int) -> None:
-        depth = tree.max_depth
-        while len(result.depth_attempts) < depth:
-            result.depth_attempts.append(0)
-            result.depth_accepts.append(0)
-        for d in range(depth):
-            result.depth_attempts[d] += 1
-            result.depth_accepts[d] += d < accepted
+
+def checked_backend(target: Target, attention: str, acceptance: str, tree_size: int | None) -> str:
+    """The attention backend a decoder runs (``auto`` resolved for the target), after checking its options."""
+    if acceptance not in ("exact", "typical"):
+        raise ValueError(f"acceptance must be 'exact' or 'typical' (lossy), got {acceptance!r}")
+    if attention != "auto" and attention not in BACKENDS:
+        raise ValueError(f"unknown attention backend {attention!r}; choose auto or one of {', '.join(BACKENDS)}")
+    if tree_size is not None and tree_size < 1:
+        raise ValueError(f"tree_size must be >= 1, got {tree_size}")
+    return default_backend(target.device, target.dtype) if attention == "auto" else attention
+
+
+def check_prompt_length(target: Target, prompt_len: int, max_new_tokens: int, which: str = "the prompt") -> None:
+    if prompt_len == 0:
+        raise ValueError(f"{which} is empty: give at least one token")
+    limit = target.max_positions
+    if prompt_len + max_new_tokens > limit:
+        raise ValueError(
+            f"{which} of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the target's context of "
+            f"{limit} positions; shorten the prompt or lower max_new_tokens")
+
+
+def pick_token(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
+    """The next token from logits [V]: the argmax, or a draw from the processed distribution."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    return sample(processed_probs(logits, sampling), generator)
+
+
+def drawn_accept(tree: Tree, logits: torch.Tensor, sampling: SamplingParams, acceptance: str,
+                 generator) -> tuple[list[int], int]:
+    """(accepted path, bonus token) of a tree by the acceptance rules that draw: lossless rejection sampling, or
+    typical acceptance (which at temperature 0 judges against the argmax). logits [N, V] at the tree's nodes."""
+    if sampling.greedy:
+        probs = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    else:
+        probs = processed_probs(logits, sampling)
+    if acceptance == "typical":
+        return typical_accept(tree.tokens, tree.children(), probs, generator)
+    return rejection_accept(tree.tokens, tree.children(), probs, tree.proposal_probs, generator)
+
+
+def count_depths(result: GenerationResult, tree: Tree, accepted: int) -> None:
+    """Add one verification to ``result``'s per-depth attempts and accepts (``accepted`` drafts were taken)."""
+    depth = tree.max_depth
+    while len(result.depth_attempts) < depth:
+        result.depth_attempts.append(0)
+        result.depth_accepts.append(0)
+    for d in range(depth):
+        result.depth_attempts[d] += 1
+        result.depth_accepts[d] += d < accepted

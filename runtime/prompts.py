@@ -162,13 +162,19 @@ def encode_prompt_batch(tokenizer, prompts: list[str], max_length: int) -> dict[
     """
     if max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-    rows = [tokenizer(text, add_special_tokens=False)["input_ids"][-max_length:] for text in prompts]
-    width = max((len(row) for row in rows), default=0)
-    pad = batch_pad_token_id(tokenizer)
+    rows = [torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][-max_length:], dtype=torch.long)
+            for text in prompts]
+    input_ids, attention_mask = left_padded(rows, batch_pad_token_id(tokenizer))
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def left_padded(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), each [B, longest row] long on CPU: token-id rows (each [P]) aligned on the right,
+    ``pad`` before them, the mask 1 over the real tokens."""
+    width = max((row.numel() for row in rows), default=0)
     input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
     for index, row in enumerate(rows):
-        if row:
-            input_ids[index, width - len(row):] = torch.tensor(row, dtype=torch.long)
-            attention_mask[index, width - len(row):] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
+        input_ids[index, width - row.numel():] = row.cpu()
+        attention_mask[index, width - row.numel():] = 1
+    return input_ids, attention_mask

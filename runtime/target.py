@@ -143,7 +143,7 @@ class Target:
         key slot holds, for sliding-window layers when rows have different committed lengths (by default slot j of
         the committed cache holds position j and the pass's own entries come last; ``sliding_window_mask``).
         """
-        if prefix_len is None:  # the committed cache, which every new row sees whole
+        if prefix_len is None and backend == "cascade":  # the committed cache, which every new row sees whole
             prefix_len = int(cache.lengths.min())
         extra = {} if key_positions is None else {"key_positions": key_positions}
         with self._runtime_layers():

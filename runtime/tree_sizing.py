@@ -82,6 +82,12 @@ class TreeSizer:
         self.current = start if start is not None else self.best()
 
     @property
+    def start_reason(self) -> str:
+        """Why the first size is what it is."""
+        return ("the proposer's measured size" if self.started
+                else "the best size for its prior acceptance on this machine's cost curve")
+
+    @property
     def sizes(self) -> list[int]:
         return sorted(self.curve)
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from runtime.benchmark import (DecoderMethod, HFBaseline, batch_markdown_table, batch_methods, check_batch_methods,
-                               left_padded, run_batch_benchmark, run_hf_batch, until_stop)
+                               run_batch_benchmark, run_hf_batch, until_stop)
+from runtime.prompts import left_padded
 from runtime.proposers import ProposerSpec
 from runtime.target import load_target
 from tests.conftest import tiny_model
