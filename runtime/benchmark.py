@@ -7,9 +7,9 @@ emitted per target forward, bonus included), speedup over HF greedy, and the fra
 HF greedy; ``divergence_report`` says whether each output that differs from HF greedy first differs at a near-tie.
 scripts/benchmark.py is its command line.
 
-``run_batch_benchmark`` measures throughput at a batch size N instead: total tokens/s of HF ``generate`` on
-left-padded batches of N prompts (greedy) and of our ``BatchedDecoder`` (continuous batching) at N, beside each
-method at batch 1, with every row's output compared with HF greedy decoding its prompt alone.
+``run_batch_benchmark`` measures throughput at several batch sizes N in one run instead: total tokens/s of HF
+``generate`` on left-padded batches of N prompts (greedy) and of our ``BatchedDecoder`` (continuous batching) at N,
+and of each method at batch 1, with every row's output compared with HF greedy decoding its prompt alone.
 
 The HF baselines run on the target's own transformers model (``target.model``, a stock model outside
 ``Target.forward``) when they run in the target's dtype; another dtype loads another copy of the target, once
@@ -597,72 +597,87 @@ def run_ours_batch(decoder, rows: list[torch.Tensor], max_new_tokens: int, batch
     return results, synchronized_seconds(decoder.target.device, started)
 
 
-def summarize_batch(batched: dict[str, MethodStats], single: dict[str, MethodStats], methods: dict[str, Method],
-                    decoders: dict, single_decoders: dict, batch_size: int) -> dict:
-    """Per method: total tokens/s at ``batch_size`` (``tokens_per_s``) and at batch 1 (``tokens_per_s_batch1``),
-    the speedups over HF greedy at each (``speedup``, ``speedup_batch1``), what batching gains over the method's own
-    batch-1 run (``batch_gain``), tau at each, and the fraction of rows token-identical to HF greedy decoding each
-    prompt alone (``identical``, ``identical_batch1``). With HF greedy in several dtypes,
-    ``speedup_vs_fastest_hf_greedy`` is over the fastest of them at ``batch_size``."""
-    rate = {name: s.tokens / s.seconds for name, s in batched.items()}
-    rate1 = {name: s.tokens / s.seconds for name, s in single.items()}
+def summarize_batch(stats: dict[int, dict[str, MethodStats]], methods: dict[str, Method],
+                    decoders: dict[int, dict]) -> dict:
+    """{batch size (str): {method: row}} for every batch size run, batch 1 first. A row: total tokens/s
+    (``tokens_per_s``), the speedup over HF greedy at the same batch size (``speedup``), what the batch gains over the
+    method's own batch-1 run (``batch_gain``), tau, the fraction of rows token-identical to HF greedy decoding each
+    prompt alone (``identical``), the share of time spent drafting, the tree size and why, the acceptance per depth
+    and the acceptance monitor's report. With HF greedy in several dtypes, ``speedup_vs_fastest_hf_greedy`` is over
+    the fastest of them at that batch size."""
     greedy = [name for name, method in methods.items() if isinstance(method, HFBaseline)]
-    fastest = max(rate[name] for name in greedy)
     summary = {}
-    for name in methods:
-        s, s1 = batched[name], single[name]
-        ours = name in decoders
-        summary[name] = {
-            "tokens_per_s": rate[name], "tokens_per_s_batch1": rate1[name],
-            "speedup": rate[name] / rate[BASELINE], "speedup_batch1": rate1[name] / rate1[BASELINE],
-            **({"speedup_vs_fastest_hf_greedy": rate[name] / fastest} if len(greedy) > 1 else {}),
-            "batch_gain": rate[name] / rate1[name],
-            "tau": statistics.mean(s.accept_lengths) if s.accept_lengths else 1.0,
-            "tau_batch1": statistics.mean(s1.accept_lengths) if s1.accept_lengths else 1.0,
-            "identical": s.identical / s.prompts, "identical_batch1": s1.identical / s1.prompts,
-            "tokens": s.tokens, "seconds": s.seconds, "tokens_batch1": s1.tokens, "seconds_batch1": s1.seconds,
-            "draft_share": s.draft_seconds / s.seconds, "draft_share_batch1": s1.draft_seconds / s1.seconds,
-            "tree_size": decoders[name].tree_size if ours else None,
-            "tree_size_batch1": single_decoders[name].tree_size_report()["reason"] if ours else None,
-            "depth_acceptance": [taken / tried for taken, tried in zip(s.depth_accepts, s.depth_attempts)],
-            "acceptance_monitor": decoders[name].monitor.report() if ours else None,
-            "acceptance_monitor_batch1": single_decoders[name].monitor.report() if ours else None,
-        }
+    for size, by_method in stats.items():
+        rate = {name: s.tokens / s.seconds for name, s in by_method.items()}
+        rate1 = {name: s.tokens / s.seconds for name, s in stats[1].items()}
+        fastest = max(rate[name] for name in greedy)
+        rows = {}
+        for name in methods:
+            s, decoder = by_method[name], decoders[size].get(name)
+            rows[name] = {
+                "tokens_per_s": rate[name], "speedup": rate[name] / rate[BASELINE],
+                **({"speedup_vs_fastest_hf_greedy": rate[name] / fastest} if len(greedy) > 1 else {}),
+                "batch_gain": rate[name] / rate1[name],
+                "tau": statistics.mean(s.accept_lengths) if s.accept_lengths else 1.0,
+                "identical": s.identical / s.prompts, "tokens": s.tokens, "seconds": s.seconds,
+                "draft_share": s.draft_seconds / s.seconds,
+                "tree_size": decoder.tree_size_report()["reason"] if decoder is not None else None,
+                "depth_acceptance": [taken / tried for taken, tried in zip(s.depth_accepts, s.depth_attempts)],
+                "acceptance_monitor": decoder.monitor.report() if decoder is not None else None,
+            }
+        summary[str(size)] = rows
     return summary
 
 
-def batch_markdown_table(summary: dict, batch_size: int) -> str:
-    """The batch benchmark's summary as a markdown table."""
-    n = f"@{batch_size}"
-    lines = [f"| method | tokens/s {n} | tokens/s @1 | speedup vs HF greedy {n} | speedup @1 | batch gain | tau {n} "
-             f"| identical {n} | identical @1 |", "|---|" + "---:|" * 8]
-    for name, row in summary.items():
-        lines.append(f"| {name} | {row['tokens_per_s']:.1f} | {row['tokens_per_s_batch1']:.1f} | "
-                     f"{row['speedup']:.2f}x | {row['speedup_batch1']:.2f}x | {row['batch_gain']:.2f}x | "
-                     f"{row['tau']:.2f} | {row['identical']:.0%} | {row['identical_batch1']:.0%} |")
+def batch_markdown_table(summary: dict) -> str:
+    """The batch benchmark's summary (``summarize_batch``) as a markdown table, a line per method and batch size."""
+    lines = ["| method | batch | tokens/s | vs HF greedy | vs own batch 1 | tau | identical |", "|---|" + "---:|" * 6]
+    for size, rows in summary.items():
+        for name, row in rows.items():
+            lines.append(f"| {name} | {size} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}x | "
+                         f"{row['batch_gain']:.2f}x | {row['tau']:.2f} | {row['identical']:.0%} |")
     return "\n".join(lines)
 
 
+def output_summary(tokens: list[int], reference: list[int]) -> dict:
+    """What a results file keeps of an output: its length, whether it equals ``reference`` (HF greedy decoding the
+    prompt alone) and where it first differs (None: it does not)."""
+    return {"tokens": len(tokens), "identical": tokens == reference,
+            "first_difference": first_divergence(tokens, reference)}
+
+
+def check_batch_sizes(batch_sizes) -> list[int]:
+    """The batch sizes to run, ascending, batch 1 always among them (every row's reference and every method's own
+    batch-1 run); a ValueError for a size below 1."""
+    sizes = sorted(set(batch_sizes) | {1})
+    if sizes[0] < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {sorted(set(batch_sizes))}")
+    return sizes
+
+
 def run_batch_benchmark(target, target_name: str, methods: dict[str, Method], prompts: list[dict],
-                        output: str | Path, *, batch_size: int, max_new_tokens: int = 256,
+                        output: str | Path, *, batch_sizes, max_new_tokens: int = 256,
                         tree_size: int | None = None, chunk_size: int | None = None,
-                        prompts_source: str | None = None, stride: int = 1, progress: bool = True) -> dict:
-    """Total tokens/s at ``batch_size`` rows and at batch 1, greedy, per method; writes the results to ``output``
-    (JSON: ``methods`` (``summarize_batch``), ``config``, ``records`` (every row's output)) and returns them.
+                        prompts_source: str | None = None, stride: int = 1, progress: bool = True,
+                        pass_costs: bool = False) -> dict:
+    """Total tokens/s at each of ``batch_sizes`` (batch 1 always included), greedy, per method, in one run; writes
+    the results to ``output`` (JSON: ``methods`` (``summarize_batch``), ``config``, ``records`` (every row's output
+    at every batch size)) and returns them.
 
     HF greedy (``HFBaseline('hf-greedy')``, any dtype; added first when ``methods`` lacks it) runs ``generate`` on
-    left-padded batches of ``batch_size`` prompts (padded with the tokenizer's pad token, else EOS), each row counted
-    up to its first stop token, and on each prompt alone. Our methods (``DecoderMethod``) decode every prompt with a
-    ``BatchedDecoder`` of ``batch_size`` rows (continuous batching: a finished row's place goes to the next prompt)
-    and with a ``SpeculativeDecoder`` at batch 1. Rates are total new tokens over total wall seconds. Every output
-    row, batched or not, is compared with HF greedy (in the target's dtype) decoding its prompt alone:
-    ``identical`` is the fraction of rows equal to it (HF's own batched rows can differ, as left padding changes
-    its numerics).
+    left-padded batches of N prompts (padded with the tokenizer's pad token, else EOS), each row counted up to its
+    first stop token, and on each prompt alone. Our methods (``DecoderMethod``) decode every prompt with a
+    ``BatchedDecoder`` of N rows (continuous batching: a finished row's place goes to the next prompt) and with a
+    ``SpeculativeDecoder`` at batch 1. Rates are total new tokens over total wall seconds. Every output row, at every
+    batch size, is compared with HF greedy (in the target's dtype) decoding its prompt alone: ``identical`` is the
+    fraction of rows equal to it (HF's own batched rows can differ, as left padding changes its numerics).
 
-    Timings follow a warm-up of every method at both batch sizes. The prompts go in chunks of ``chunk_size``
-    (rounded up to a multiple of ``batch_size``; None: all prompts, one chunk): per chunk every method runs it at
-    ``batch_size``, in an order rotated from chunk to chunk, then every prompt of it at batch 1, methods interleaved
-    per prompt, so drift of the machine hits all methods alike. ``tree_size``: as in ``run_benchmark``.
+    Timings follow a warm-up of every method at every batch size. The prompts go in chunks of ``chunk_size`` (rounded
+    up to a multiple of the largest batch size; None: all prompts, one chunk): per chunk, each batch size above 1 runs
+    every method over it, in an order rotated from chunk to chunk, then every prompt of it runs at batch 1, methods
+    interleaved per prompt, so drift of the machine hits all methods alike. ``tree_size``: as in ``run_benchmark``.
+    ``pass_costs``: also measure the seconds of one target pass for every batch size and tree size of
+    ``runtime.cost_model.BATCH_SIZES`` (``config["pass_seconds"]``), what decides where drafting stops paying.
     """
     from tqdm import tqdm
 
@@ -671,8 +686,7 @@ def run_batch_benchmark(target, target_name: str, methods: dict[str, Method], pr
     from runtime.prompts import batch_pad_token_id, encode_prompt
     from runtime.proposers import build_proposer
 
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    sizes = check_batch_sizes(batch_sizes)
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1 (prompts), got {chunk_size}")
     if BASELINE not in methods:
@@ -688,20 +702,21 @@ def run_batch_benchmark(target, target_name: str, methods: dict[str, Method], pr
         raise ValueError("the target has no end-of-sequence token: HF generate needs one to pad finished rows with")
     tokenizer = target.tokenizer
     pad = batch_pad_token_id(tokenizer) if tokenizer is not None else eos[0]
-    decoders, single_decoders = {}, {}
+    decoders: dict[int, dict] = {size: {} for size in sizes}
     for name, method in methods.items():
         if isinstance(method, DecoderMethod):
             proposer = build_proposer(method.proposer, target)
             size = method.tree_size or tree_size
-            decoders[name] = BatchedDecoder(target, proposer, tree_size=size)
-            single_decoders[name] = SpeculativeDecoder(target, proposer, tree_size=size)
+            decoders[1][name] = SpeculativeDecoder(target, proposer, tree_size=size)
+            for rows in sizes[1:]:
+                decoders[rows][name] = BatchedDecoder(target, proposer, tree_size=size)
     counters = {name: models.counter(method.dtype) for name, method in methods.items()
                 if isinstance(method, HFBaseline)}
 
-    def run_batched(name, rows, new_tokens):
+    def run_batched(name, rows, new_tokens, batch_size):
         """[(tokens, GenerationResult or None)] for ``rows`` at ``batch_size``, and the seconds they took."""
-        if name in decoders:
-            results, seconds = run_ours_batch(decoders[name], rows, new_tokens, batch_size)
+        if name in decoders[batch_size]:
+            results, seconds = run_ours_batch(decoders[batch_size][name], rows, new_tokens, batch_size)
             return [(result.tokens, result) for result in results], seconds
         outputs, seconds = [], 0.0
         model = models.model(methods[name].dtype)
@@ -712,8 +727,8 @@ def run_batch_benchmark(target, target_name: str, methods: dict[str, Method], pr
         return outputs, seconds
 
     def run_single(name, ids, new_tokens):
-        if name in single_decoders:
-            return run_ours(single_decoders[name], ids, new_tokens, 0.0, 0)
+        if name in decoders[1]:
+            return run_ours(decoders[1][name], ids, new_tokens, 0.0, 0)
         method = methods[name]
         return run_hf(models.model(method.dtype), counters[name], ids, method, new_tokens, eos)
 
@@ -728,46 +743,56 @@ def run_batch_benchmark(target, target_name: str, methods: dict[str, Method], pr
     names = list(methods)
     try:
         encoded = [encode_prompt(tokenizer, p["prompt"]) for p in prompts]
-        for name in names:  # warm-up at both batch sizes (the batched decoder sizes its tree for its width here)
-            run_batched(name, encoded[:batch_size], 16)
+        for name in names:  # warm-up at every batch size (a batched decoder sizes its tree for its width here)
+            for size in sizes[1:]:
+                run_batched(name, encoded[:size], 16, size)
             run_single(name, encoded[0], 16)
-        batched = {name: MethodStats() for name in names}
-        single = {name: MethodStats() for name in names}
-        records = [{"id": p["id"], "outputs": {}, "outputs_batch1": {}} for p in prompts]
-        config = {"mode": "batch", "batch_size": batch_size, "chunk_size": chunk_size, "target": target_name,
+        stats = {size: {name: MethodStats() for name in names} for size in sizes}
+        records = [{"id": p["id"], "outputs": {str(size): {} for size in sizes}} for p in prompts]
+        config = {"mode": "batch", "batch_sizes": sizes, "chunk_size": chunk_size, "target": target_name,
                   "dtype": dtype_name(target.dtype), "prompts": prompts_source or "mt-bench", "stride": stride,
                   "n_prompts": len(prompts), "max_new_tokens": max_new_tokens, "temperature": 0.0, "pad_token_id": pad,
                   "threads": torch.get_num_threads(), "torch": torch.__version__,
                   "machine": machine_description(target.device),
                   "method_specs": {name: method_to_json(method) for name, method in methods.items()}}
-        step = len(prompts) if chunk_size is None else -(-chunk_size // batch_size) * batch_size
+        if pass_costs:
+            from runtime.cost_model import BATCH_SIZES, measure_pass_seconds
+
+            config["pass_seconds"] = {str(rows): {str(nodes): seconds for nodes, seconds in
+                                                  measure_pass_seconds(target, sizes=BATCH_SIZES,
+                                                                       batch_size=rows).items()}
+                                      for rows in sizes}
+        step = len(prompts) if chunk_size is None else -(-chunk_size // sizes[-1]) * sizes[-1]
         chunks = [list(range(start, min(start + step, len(prompts)))) for start in range(0, len(prompts), step)]
         done = 0
         for number, chunk in enumerate(tqdm(chunks, desc="batch benchmark", file=sys.stderr,
                                             disable=not progress or len(chunks) == 1)):
             rows = [encoded[index] for index in chunk]
-            for name in names[number % len(names):] + names[: number % len(names)]:
-                outputs, seconds = run_batched(name, rows, max_new_tokens)
-                batched[name].seconds += seconds
-                for index, (tokens, details) in zip(chunk, outputs):
-                    records[index]["outputs"][name] = tokens
-                    add(batched[name], tokens, details)
+            for size in sizes[1:]:
+                for name in names[number % len(names):] + names[: number % len(names)]:
+                    outputs, seconds = run_batched(name, rows, max_new_tokens, size)
+                    stats[size][name].seconds += seconds
+                    for index, (tokens, details) in zip(chunk, outputs):
+                        records[index]["outputs"][str(size)][name] = tokens
+                        add(stats[size][name], tokens, details)
             for index in chunk:
                 for name in names[index % len(names):] + names[: index % len(names)]:
                     tokens, seconds, _, details = run_single(name, encoded[index], max_new_tokens)
-                    records[index]["outputs_batch1"][name] = tokens
-                    single[name].seconds += seconds
-                    single[name].per_prompt_tps.append(len(tokens) / seconds)
-                    add(single[name], tokens, details)
-                reference = records[index]["outputs_batch1"][BASELINE]
-                for name in names:
-                    batched[name].identical += records[index]["outputs"][name] == reference
-                    single[name].identical += records[index]["outputs_batch1"][name] == reference
+                    records[index]["outputs"]["1"][name] = tokens
+                    stats[1][name].seconds += seconds
+                    stats[1][name].per_prompt_tps.append(len(tokens) / seconds)
+                    add(stats[1][name], tokens, details)
+                reference = records[index]["outputs"]["1"][BASELINE]
+                for size in sizes:
+                    outputs = records[index]["outputs"][str(size)]
+                    for name in names:
+                        # the file keeps a summary of each output, not its tokens
+                        outputs[name] = output_summary(outputs[name], reference)
+                        stats[size][name].identical += outputs[name]["identical"]
             done += len(chunk)
-            write_atomically(output, {
-                "methods": summarize_batch(batched, single, methods, decoders, single_decoders, batch_size),
-                "config": {**config, "n_prompts_done": done}, "records": records[:done]})
-        summary = summarize_batch(batched, single, methods, decoders, single_decoders, batch_size)
+            write_atomically(output, {"methods": summarize_batch(stats, methods, decoders),
+                                      "config": {**config, "n_prompts_done": done}, "records": records[:done]})
+        summary = summarize_batch(stats, methods, decoders)
     finally:
         models.close()
     results = {"methods": summary, "config": config, "records": records}

@@ -46,11 +46,20 @@ def synchronized_seconds(device: torch.device, started: float) -> float:
     return time.perf_counter() - started
 
 
-@torch.inference_mode()
 def measure_cost_curve(target: Target, context: int = 256, sizes=SIZES, repeats: int = 5,
                        batch_size: int = 1) -> dict[int, float]:
     """Median seconds of a pass of ``batch_size`` rows of T-token trees after ``context`` cached tokens, divided by
     the T = 1 time at the same batch size."""
+    seconds = measure_pass_seconds(target, context, sizes, repeats, batch_size)
+    return {size: value / seconds[1] for size, value in seconds.items()}
+
+
+@torch.inference_mode()
+def measure_pass_seconds(target: Target, context: int = 256, sizes=SIZES, repeats: int = 5,
+                         batch_size: int = 1) -> dict[int, float]:
+    """{T: median seconds of one target pass over ``batch_size`` rows of a T-token tree after ``context`` cached
+    tokens}; T = 1 is always measured."""
+    sizes = sorted(set(sizes) | {1})
     device = target.device
     rows = batch_size
     cache = target.new_cache(rows, context + max(sizes) + 1)
@@ -67,8 +76,7 @@ def measure_cost_curve(target: Target, context: int = 256, sizes=SIZES, repeats:
             started = time.perf_counter()
             target.forward(tree.tokens.expand(rows, -1), positions.expand(rows, -1), cache, mask)
             timings[size].append(synchronized_seconds(device, started))
-    base = statistics.median(timings[1][1:])
-    return {size: statistics.median(values[1:]) / base for size, values in timings.items()}
+    return {size: statistics.median(values[1:]) for size, values in timings.items()}
 
 
 def cost_curve(target: Target, batch_size: int = 1) -> dict[int, float]:

@@ -31,6 +31,12 @@ from runtime.kernels import bf16_rows_linear, native_bf16_matmul, rms_norm_rows
 # and scripts/bench_verify_pass.py re-measure it).
 WEIGHT_MAJOR_MAX_ROWS = 16
 
+# Row counts up to which the compiled bf16 row kernel beats PyTorch's bf16 product on a CPU with bf16 matrix
+# instructions (AVX512-BF16, AMX): there PyTorch's product is fast from a few rows on, and the kernel, which reads
+# the weights once but multiplies with AVX2 FMAs, falls behind from about 12 rows (scripts/bench_bf16_rows.py
+# measures both on the machine at hand). Without those instructions the kernel wins up to WEIGHT_MAJOR_MAX_ROWS.
+NATIVE_BF16_KERNEL_MAX_ROWS = 8
+
 # RMSNorm classes of transformers that compute weight * (x * rsqrt(mean(x^2) + eps)).to(dtype) with the epsilon in
 # ``variance_epsilon``: the formula rms_norm_rows implements. Others (Gemma's 1 + weight, ...) keep their own forward.
 LLAMA_FORMULA_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
@@ -43,19 +49,23 @@ def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     Few rows go through ``weight @ hidden^T``, the rest (and anything that needs gradients, or runs off CPU) through
     F.linear. In bfloat16, 2-16 rows go through the compiled row kernel (``runtime.kernels``): PyTorch's bf16 product
     on a CPU without bf16 matrix instructions costs about one one-row product per row, the kernel reads the weights
-    once. Many bf16 rows (a prefill) on such a CPU go through an fp32 product of the upcast operands.
+    once. Many bf16 rows (a prefill) on such a CPU go through an fp32 product of the upcast operands. On a CPU with
+    bf16 matrix instructions PyTorch's own bf16 product takes over from NATIVE_BF16_KERNEL_MAX_ROWS + 1 rows.
     """
     if hidden.device.type != "cpu" or torch.is_grad_enabled():
         return F.linear(hidden, weight, bias)
     rows = hidden.numel() // hidden.shape[-1]
+    bf16 = weight.dtype == hidden.dtype == torch.bfloat16
+    if bf16 and rows > NATIVE_BF16_KERNEL_MAX_ROWS and native_bf16_matmul():
+        return F.linear(hidden, weight, bias)
     if rows > WEIGHT_MAJOR_MAX_ROWS:
-        if weight.dtype == hidden.dtype == torch.bfloat16 and not native_bf16_matmul():
+        if bf16 and not native_bf16_matmul():
             # The same numbers as the bf16 product (bf16 products are exact in fp32, fp32 sums, one rounding at the
             # end) in another summation order, several times faster there (scripts/bench_bf16_rows.py).
             return F.linear(hidden.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
         return F.linear(hidden, weight, bias)
     flat = hidden.reshape(rows, hidden.shape[-1])
-    if rows > 1 and weight.dtype == hidden.dtype == torch.bfloat16 and (kernel := bf16_rows_linear()) is not None:
+    if rows > 1 and bf16 and (kernel := bf16_rows_linear()) is not None:
         # One row stays on PyTorch's bf16 product, which is about as fast and gives plain decoding HF's exact numbers.
         out = kernel(flat.contiguous(), weight.contiguous(), bias)
         return out.reshape(*hidden.shape[:-1], weight.shape[0])

@@ -6,11 +6,12 @@ Default prompts: the 80 MT-bench first turns. Methods run interleaved per prompt
 batch 1, after a warm-up. Per method: tokens/s, tau (tokens emitted per target forward, bonus included), speedup
 over HF greedy, and the fraction of outputs token-identical to HF greedy. Run it with nothing else on the machine.
 
-    python scripts/benchmark.py --batch-size 8 --limit 32 --methods hf-greedy,none,ngram --output batch.json
+    python scripts/benchmark.py --batch-size 4,16 --limit 32 --methods hf-greedy,none,ngram --output batch.json
 
---batch-size N measures throughput instead (greedy): total tokens/s of HF generate on left-padded batches of N
-prompts, and of our batched decoder (continuous batching) at N rows, beside each method at batch 1, with every
-row's output compared with HF greedy decoding that prompt alone (HF greedy is the only HF method that batches).
+--batch-size N[,M...] measures throughput instead (greedy), at every size given and at batch 1, in one run: total
+tokens/s of HF generate on left-padded batches of N prompts, and of our batched decoder (continuous batching) at N
+rows, with every row's output compared with HF greedy decoding that prompt alone (HF greedy is the only HF method
+that batches). --pass-costs adds the measured seconds of one target pass per batch size and tree size.
 The machinery is runtime.benchmark; this script parses the command line.
 """
 
@@ -30,7 +31,7 @@ from runtime.proposers import NoShippedHead
 from runtime.target import DEFAULT_TARGET, load_target
 
 from cli import (check_early_exit, check_output_path, missing_head, non_negative_float, parse_method,  # scripts/cli.py
-                 parse_methods, positive_int, read_prompts_or_exit, usage_error)
+                 parse_methods, positive_int, positive_int_list, read_prompts_or_exit, usage_error)
 
 DEFAULT_METHODS = "hf-greedy,hf-pld,none,ngram"
 
@@ -61,20 +62,23 @@ def parse_args(argv=None):
     parser.add_argument("--rescore", metavar="RESULTS",
                         help="only recompute the divergence report of a finished results file")
     parser.add_argument("--plot", help="PNG of per-method accept-length histograms (default: beside --output)")
-    parser.add_argument("--batch-size", type=positive_int,
+    parser.add_argument("--batch-size", type=positive_int_list, metavar="N[,M...]",
                         help="measure total tokens/s at N rows (HF greedy on left-padded batches, our batched "
-                             "decoder) beside batch 1, greedy (default: the batch-1 benchmark)")
+                             "decoder), for each size given and batch 1, greedy (default: the batch-1 benchmark)")
     parser.add_argument("--batch-chunk", type=positive_int,
                         help="with --batch-size: prompts per interleaved round (rounded up to a multiple of the "
-                             "batch size; default: all prompts in one round)")
+                             "largest batch size; default: all prompts in one round)")
+    parser.add_argument("--pass-costs", action="store_true",
+                        help="with --batch-size: also measure one target pass's seconds per batch and tree size")
     return parser.parse_args(argv)
 
 
 def check_batch_arguments(args, methods) -> None:
     """What the batch benchmark cannot do, as command-line errors before anything loads."""
     if args.batch_size is None:
-        if args.batch_chunk is not None:
-            raise usage_error("--batch-chunk", "is for the batch benchmark; give --batch-size N as well")
+        for flag, value in (("--batch-chunk", args.batch_chunk), ("--pass-costs", args.pass_costs or None)):
+            if value is not None:
+                raise usage_error(flag, "is for the batch benchmark; give --batch-size N as well")
         return
     if args.temperature != 0:
         raise usage_error("--temperature", "the batch benchmark is greedy (its baseline is HF greedy); leave "
@@ -93,13 +97,15 @@ def run_batch(args, methods, prompts) -> int:
     check_early_exit(methods, target.num_layers)
     output = Path(args.output)
     try:
-        results = run_batch_benchmark(target, args.target, methods, prompts, output, batch_size=args.batch_size,
+        results = run_batch_benchmark(target, args.target, methods, prompts, output, batch_sizes=args.batch_size,
                                       max_new_tokens=args.max_new_tokens, tree_size=args.tree_size,
-                                      chunk_size=args.batch_chunk, prompts_source=args.prompts, stride=args.stride)
+                                      chunk_size=args.batch_chunk, prompts_source=args.prompts, stride=args.stride,
+                                      pass_costs=args.pass_costs)
     except NoShippedHead as error:
         raise missing_head(error, "--methods", f"{error.head_type}:DIR") from None
-    print(batch_markdown_table(results["methods"], args.batch_size))
-    print(f"\n{len(prompts)} prompts, batch size {args.batch_size}, {args.max_new_tokens} new tokens, greedy, "
+    print(batch_markdown_table(results["methods"]))
+    sizes = ", ".join(map(str, results["config"]["batch_sizes"]))
+    print(f"\n{len(prompts)} prompts, batch sizes {sizes}, {args.max_new_tokens} new tokens, greedy, "
           f"{args.dtype}; results in {output}", file=sys.stderr)
     return 0
 

@@ -47,6 +47,11 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_int_list(text: str) -> list[int]:
+    """argparse ``type=``: comma-separated integers >= 1 (``4,16``)."""
+    return [positive_int(part.strip()) for part in text.split(",")]
+
+
 def non_negative_float(text: str) -> float:
     """argparse ``type=``: a finite number >= 0 (a temperature: nan or inf would fail deep inside sampling)."""
     try:

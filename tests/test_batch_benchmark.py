@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime.benchmark import (DecoderMethod, HFBaseline, batch_markdown_table, batch_methods, check_batch_methods,
-                               run_batch_benchmark, run_hf_batch, until_stop)
+                               check_batch_sizes, run_batch_benchmark, run_hf_batch, until_stop)
 from runtime.prompts import left_padded
 from runtime.proposers import ProposerSpec
 from runtime.target import load_target
@@ -27,31 +27,40 @@ def write_prompts(path, texts=PROMPTS):
     return path
 
 
-def test_batch_benchmark_script_reports_every_method_at_both_batch_sizes(tiny_dir, tmp_path):
+def test_batch_benchmark_script_reports_every_method_at_every_batch_size(tiny_dir, tmp_path):
     out = tmp_path / "batch.json"
     printed = run_script("benchmark.py", "--target", tiny_dir, "--methods", "hf-greedy,none,ngram", "--batch-size",
-                         "2", "--prompts", write_prompts(tmp_path / "prompts.jsonl", PROMPTS[:3]),
-                         "--max-new-tokens", "12", "--tree-size", "4", "--output", out, "--device", "cpu").stdout
+                         "2,3", "--prompts", write_prompts(tmp_path / "prompts.jsonl", PROMPTS[:3]),
+                         "--max-new-tokens", "12", "--tree-size", "4", "--output", out, "--device", "cpu",
+                         "--pass-costs").stdout
     results = json.loads(out.read_text())
-    config, methods = results["config"], results["methods"]
-    assert config["mode"] == "batch" and config["batch_size"] == 2 and config["dtype"] == "float32"
+    config, summary = results["config"], results["methods"]
+    assert config["mode"] == "batch" and config["batch_sizes"] == [1, 2, 3] and config["dtype"] == "float32"
     assert config["n_prompts"] == 3 and "cpu" in config["machine"]
-    assert list(methods) == ["hf-greedy", "none", "ngram"]
-    for name, row in methods.items():
-        assert row["identical_batch1"] == 1.0, name
-        if name != "hf-greedy":  # HF's own padded rows may differ from it alone; ours may not
-            assert row["identical"] == 1.0, name
-            assert row["tau"] >= 1.0 and row["tree_size"] == 4 and row["acceptance_monitor"]["expected"] is None
-        for key in ("tokens_per_s", "tokens_per_s_batch1", "speedup", "speedup_batch1", "batch_gain"):
-            assert row[key] > 0, (name, key)
-        assert row["tokens"] == row["tokens_batch1"] or name == "hf-greedy"
-    assert methods["hf-greedy"]["speedup"] == pytest.approx(1.0) == methods["hf-greedy"]["speedup_batch1"]
-    assert methods["none"]["tau"] == 1.0
+    assert list(config["pass_seconds"]) == ["1", "2", "3"]
+    assert all(seconds > 0 for by_tree in config["pass_seconds"].values() for seconds in by_tree.values())
+    assert list(summary) == ["1", "2", "3"]
+    for size, methods in summary.items():
+        assert list(methods) == ["hf-greedy", "none", "ngram"]
+        for name, row in methods.items():
+            if name != "hf-greedy" or size == "1":  # HF's own padded rows may differ from it alone; ours may not
+                assert row["identical"] == 1.0, (size, name)
+            if name != "hf-greedy":
+                assert row["tau"] >= 1.0 and row["acceptance_monitor"]["expected"] is None
+                assert row["tree_size"].startswith("fixed") or "4" in row["tree_size"]
+            for key in ("tokens_per_s", "speedup", "batch_gain"):
+                assert row[key] > 0, (size, name, key)
+            assert row["tokens"] == summary["1"][name]["tokens"] or name == "hf-greedy"
+        assert methods["hf-greedy"]["speedup"] == pytest.approx(1.0)
+        assert methods["none"]["tau"] == 1.0
+    assert summary["1"]["ngram"]["batch_gain"] == pytest.approx(1.0)
     for record in results["records"]:
-        reference = record["outputs_batch1"]["hf-greedy"]
-        assert 0 < len(reference) <= 12
-        assert record["outputs"]["none"] == record["outputs"]["ngram"] == reference
-    assert "| ngram |" in printed and "tokens/s @2" in printed
+        reference = record["outputs"]["1"]["hf-greedy"]
+        assert reference["identical"] and 0 < reference["tokens"] <= 12
+        for size in ("1", "2", "3"):
+            for name in ("none", "ngram"):
+                assert record["outputs"][size][name] == reference, (size, name)
+    assert "| ngram | 3 |" in printed and "| method | batch | tokens/s |" in printed
     rescored = run_script("benchmark.py", "--rescore", out, check=False)
     assert rescored.returncode != 0 and "--rescore:" in rescored.stderr and "Traceback" not in rescored.stderr
 
@@ -60,18 +69,21 @@ def test_batch_benchmark_library_interleaves_chunks_and_counts_rows_to_their_sto
     target = load_target(str(tiny_dir), quiet=True)
     prompts = [{"id": index, "prompt": text} for index, text in enumerate(PROMPTS)]
     methods = {"ngram": DecoderMethod(ProposerSpec("ngram"), tree_size=3)}
-    results = run_batch_benchmark(target, str(tiny_dir), methods, prompts, tmp_path / "r.json", batch_size=3,
+    results = run_batch_benchmark(target, str(tiny_dir), methods, prompts, tmp_path / "r.json", batch_sizes=[3],
                                   max_new_tokens=10, chunk_size=2, progress=False)  # chunks of 3 prompts, then 1
-    assert set(results["methods"]) == {"hf-greedy", "ngram"}  # the baseline is added
+    assert set(results["methods"]["3"]) == {"hf-greedy", "ngram"}  # the baseline is added
     assert results["config"]["chunk_size"] == 2 and len(results["records"]) == 4
-    assert results["methods"]["ngram"]["identical"] == results["methods"]["ngram"]["identical_batch1"] == 1.0
+    assert results["methods"]["3"]["ngram"]["identical"] == results["methods"]["1"]["ngram"]["identical"] == 1.0
     assert json.loads((tmp_path / "r.json").read_text())["config"]["n_prompts"] == 4
     assert not target.model._forward_pre_hooks
-    table = batch_markdown_table(results["methods"], 3)
-    assert table.splitlines()[0].startswith("| method | tokens/s @3 | tokens/s @1 |") and "| ngram |" in table
+    table = batch_markdown_table(results["methods"])
+    assert table.splitlines()[0].startswith("| method | batch | tokens/s |") and "| ngram | 3 |" in table
     with pytest.raises(ValueError, match="hf-pld runs one prompt at a time"):
         run_batch_benchmark(target, str(tiny_dir), {"hf-pld": HFBaseline("hf-pld")}, prompts, tmp_path / "x.json",
-                            batch_size=2)
+                            batch_sizes=[2])
+    with pytest.raises(ValueError, match="batch sizes must be >= 1"):
+        check_batch_sizes([0, 4])
+    assert check_batch_sizes([16, 4, 4]) == [1, 4, 16]
 
 
 def test_hf_batches_are_left_padded_and_rows_end_at_their_first_stop_token():
@@ -102,15 +114,19 @@ def test_batch_benchmark_arguments_are_checked_before_loading(tmp_path):
         ("benchmark", ["--batch-size", "2", "--temperature", "0.7", "--prompts", prompts]),
         ("benchmark", ["--batch-size", "2", "--plot", tmp_path / "p.png", "--prompts", prompts]),
         ("benchmark", ["--batch-chunk", "4", "--prompts", prompts]),
+        ("benchmark", ["--pass-costs", "--prompts", prompts]),
+        ("benchmark", ["--batch-size", "4,0", "--prompts", prompts]),
         ("benchmark", ["--batch-size", "2", "--batch-chunk", "4", "--methods", "hf-greedy-bf16,ngram@4",
                        "--prompts", prompts, "--output", tmp_path / "r.json"]),
     ])
     messages = [outcome["message"] for outcome in outcomes]
-    assert [outcome["outcome"] for outcome in outcomes] == ["error"] * 5 + ["loads"], messages
+    assert [outcome["outcome"] for outcome in outcomes] == ["error"] * 7 + ["loads"], messages
     assert "argument --batch-size: 0 is not a positive integer" in messages[0]
     assert "--methods: hf-pld: hf-pld runs one prompt at a time" in messages[1]
     assert "--temperature: the batch benchmark is greedy" in messages[2]
     assert "--plot:" in messages[3] and "--batch-chunk: is for the batch benchmark" in messages[4]
+    assert "--pass-costs: is for the batch benchmark" in messages[5]
+    assert "argument --batch-size: 0 is not a positive integer" in messages[6]
 
 
 def test_default_batch_methods_keep_only_the_hf_baselines_that_batch():

@@ -25,6 +25,22 @@ def test_decode_linear_equals_linear(shape, with_bias):
     assert fast.is_contiguous()
 
 
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 16, 17])
+def test_bf16_decode_linear_equals_linear_with_and_without_bf16_matrix_instructions(monkeypatch, native, rows):
+    # Which product runs depends on the CPU's bf16 instructions; both choices run here whatever this CPU has.
+    import runtime.decode_layers as decode_layers
+
+    monkeypatch.setattr(decode_layers, "native_bf16_matmul", lambda: native)
+    weight, bias = torch.randn(48, 64).bfloat16(), torch.randn(48).bfloat16()
+    hidden = torch.randn(rows, 64).bfloat16()
+    with torch.inference_mode():
+        fast = decode_linear(hidden, weight, bias)
+    reference = torch.nn.functional.linear(hidden.float(), weight.float(), bias.float())
+    torch.testing.assert_close(fast.float(), reference, rtol=2e-2, atol=2e-2)
+    assert fast.dtype == torch.bfloat16 and fast.shape == (rows, 48)
+
+
 @pytest.mark.parametrize("shape", [(32,), (1, 32), (3, 32), (2, 3, 32), (1, 9, 32)])
 def test_decode_frozen_projection_equals_the_stock_one(shape):
     projection = FrozenProjection()
