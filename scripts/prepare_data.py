@@ -3,9 +3,10 @@
   features     dump the target's features (hidden states, EAGLE-3 layer inputs, optional top-k log-probs) for the
                training split to sharded safetensors, exactly where `features.mode=offline` runs look for them:
                  python scripts/prepare_data.py features head=eagle3 data.max_samples=2000 [features.topk=32]
-  selfdistill  regenerate the assistant turns with the target itself (greedy, batched, resumable) into a JSONL
-               that `data=selfdistill data.path=FILE` selects:
-                 python scripts/prepare_data.py selfdistill --out sd.jsonl --max-new-tokens 256 data.max_samples=500
+  selfdistill  regenerate the assistant turns with the target itself (on the batched speculative runtime, greedy
+               or sampled, resumable) into a JSONL that `data=selfdistill data.path=FILE` selects:
+                 python scripts/prepare_data.py selfdistill --out sd.jsonl --max-new-tokens 256 \
+                     --proposer eagle3+ngram --dtype bfloat16 data.max_samples=500
 
 Trailing key=value arguments are the training config's overrides (target, data, head, features, ...). The work is
 done by training.recipe.prepare_features and training.selfdistill.self_distill.
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from cli import non_negative_float, parse_proposer, positive_int, probability  # scripts/cli.py
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -24,9 +27,20 @@ def main(argv: list[str] | None = None) -> int:
     features.add_argument("overrides", nargs="*", help="training config overrides (key=value)")
     distill = sub.add_parser("selfdistill", help="regenerate assistant turns with the target")
     distill.add_argument("--out", type=Path, required=True, help="output JSONL (appended; resumable)")
-    distill.add_argument("--max-new-tokens", type=int, default=256)
-    distill.add_argument("--batch-size", type=int, default=8)
-    distill.add_argument("--max-turns", type=int, default=1, help="assistant turns regenerated per conversation")
+    distill.add_argument("--max-new-tokens", type=positive_int, default=256)
+    distill.add_argument("--batch-size", type=positive_int, default=16,
+                         help="rows decoded at once (continuous batching)")
+    distill.add_argument("--max-turns", type=positive_int, default=1, help="assistant turns regenerated per "
+                                                                           "conversation")
+    distill.add_argument("--proposer", default="none",
+                         help="what drafts while generating (lossless either way): none, ngram, or a head as in "
+                              "scripts/generate.py --proposer (eagle3+ngram: the shipped EAGLE-3 head behind "
+                              "prompt lookup)")
+    distill.add_argument("--temperature", type=non_negative_float, default=0.0, help="0: greedy replies")
+    distill.add_argument("--top-p", type=probability)
+    distill.add_argument("--seed", type=int, default=0)
+    distill.add_argument("--dtype", choices=("float32", "bfloat16"),
+                         help="the target's dtype while generating (default: the config's target.dtype)")
     distill.add_argument("overrides", nargs="*", help="training config overrides (key=value): target, data")
     args = parser.parse_args(argv)
 
@@ -39,11 +53,16 @@ def main(argv: list[str] | None = None) -> int:
         if result["is_main"]:
             print(f"offline features of {result['samples']} samples in {result['store']}")
     else:
-        from training.selfdistill import self_distill
+        from training.selfdistill import DistillSettings, self_distill
 
-        out = self_distill(compose_config(args.overrides), args.out, args.max_new_tokens, args.batch_size,
-                           args.max_turns)
-        print(f"self-distilled conversations in {out}; train on them with data=selfdistill data.path={out}")
+        settings = DistillSettings(max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
+                                   batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
+                                   seed=args.seed, dtype=args.dtype,
+                                   proposer=None if args.proposer == "none" else parse_proposer(args.proposer))
+        stats = self_distill(compose_config(args.overrides), args.out, settings)
+        print(f"{stats.conversations} self-distilled conversations added to {args.out} ({stats.tokens} reply "
+              f"tokens, {stats.tokens_per_s:.1f} tokens/s); train on them with data=selfdistill "
+              f"data.path={args.out}")
     return 0
 
 

@@ -365,13 +365,15 @@ def test_two_process_torchrun_matches_one_process(tiny, tmp_path, zero, head):
 
 def test_self_distillation_regenerates_replies_and_resumes(tiny, tmp_path):
     from training.data import normalize_conversation, read_records
-    from training.selfdistill import self_distill
+    from training.selfdistill import DistillSettings, self_distill
 
     target, data = tiny
     out = tmp_path / "sd.jsonl"
     conf = compose_config(["target=hf", f"target.name={target}", "data=json", f"data.path={data}",
                            "data.max_samples=4", "data.val_samples=1"])
-    assert self_distill(conf, out, 16, 2, 1) == out
+    settings = DistillSettings(max_new_tokens=16, batch_size=2, chunk=2)
+    stats = self_distill(conf, out, settings)
+    assert stats.conversations == 5 and stats.tokens > 0 and stats.tokens_per_s > 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["id"] for r in records) == [0, 1, 2, 3, 4]
     originals = [json.loads(line) for line in Path(data).read_text().splitlines()[:5]]
@@ -380,37 +382,67 @@ def test_self_distillation_regenerates_replies_and_resumes(tiny, tmp_path):
         assert messages[0]["content"] == original["conversations"][0]["value"]  # the prompt is kept
         assert messages[-1]["role"] == "assistant"
     lines_before = out.read_text()
-    self_distill(conf, out, 16, 2, 1)  # everything is done: nothing is appended
+    self_distill(conf, out, settings)  # everything is done: nothing is appended
     assert out.read_text() == lines_before
     assert len(list(read_records("json", str(out), "train", None))) == 5
     # killed while writing: a partial last line is dropped and its conversation generated again
     out.write_text(lines_before[: len(lines_before) - 20])
     with pytest.warns(UserWarning, match="partly written line"):
-        self_distill(conf, out, 16, 2, 1)
+        self_distill(conf, out, settings)
     assert out.read_text() == lines_before
     out.write_text(lines_before[:-1])  # a whole last record without its newline is kept
-    self_distill(conf, out, 16, 2, 1)
+    self_distill(conf, out, settings)
     assert out.read_text() == lines_before
     lines = lines_before.splitlines(keepends=True)
     out.write_text(lines[0] + "{not json\n" + "".join(lines[2:]))
     with pytest.raises(ValueError, match="sd.jsonl:2 is not a self-distilled record"):
-        self_distill(conf, out, 16, 2, 1)
+        self_distill(conf, out, settings)
 
 
 def test_self_distillation_prompts_keep_their_end(tiny):
     from runtime.target import load_target
-    from training.selfdistill import encode_prompts
+    from training.selfdistill import prompt_ids
 
     tokenizer = load_target(str(tiny[0])).tokenizer
-    short, long = "the sea", " ".join(["a long question about the sea"] * 8) + " assistant:"
-    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in (short, long)]
-    width = len(ids[0]) + 3
-    assert len(ids[1]) > width
-    encoded = encode_prompts(tokenizer, [short, long], max_length=width)
-    assert encoded["input_ids"].shape == (2, width)
-    assert encoded["input_ids"][1].tolist() == ids[1][-width:]  # truncated at the start: the generation prompt stays
-    assert encoded["input_ids"][0, 3:].tolist() == ids[0]  # padded on the left
-    assert encoded["attention_mask"][0].tolist() == [0] * 3 + [1] * len(ids[0])
+    short = [{"role": "user", "content": "the sea"}]
+    long = [{"role": "user", "content": " ".join(["a long question about the sea"] * 8)}]
+    full = prompt_ids(tokenizer, None, long, max_length=10_000).tolist()
+    width = len(prompt_ids(tokenizer, None, short, max_length=10_000)) + 3
+    assert len(full) > width
+    assert prompt_ids(tokenizer, None, long, max_length=width).tolist() == full[-width:]  # the generation prompt stays
+
+
+@pytest.mark.parametrize("proposer, temperature", [(None, 0.0), ("ngram", 0.0), ("ngram", 0.8)])
+def test_self_distilled_replies_are_the_targets_own_at_any_batch_size(tiny, tmp_path, proposer, temperature):
+    """Greedy replies are the target's greedy replies (HF generate alone); sampled ones come from each
+    conversation's own seed, so the batch size (which conversations share a pass) changes nothing."""
+    from runtime.proposers import ProposerSpec
+    from runtime.target import load_target
+    from training.selfdistill import DistillSettings, prompt_ids, self_distill
+
+    target_dir, data = tiny
+    conf = compose_config(["target=hf", f"target.name={target_dir}", "data=json", f"data.path={data}",
+                           "data.max_samples=4", "data.val_samples=1"])
+    spec = ProposerSpec(proposer) if proposer else None
+    outputs = []
+    for batch_size in (1, 3):
+        out = tmp_path / f"sd{batch_size}.jsonl"
+        self_distill(conf, out, DistillSettings(max_new_tokens=12, batch_size=batch_size, proposer=spec,
+                                                temperature=temperature, seed=7))
+        outputs.append(out.read_text())
+    assert outputs[0] == outputs[1]
+    if temperature:
+        return
+    target = load_target(str(target_dir))
+    tokenizer = target.tokenizer
+    for line in outputs[0].splitlines():
+        messages = json.loads(line)["messages"]
+        ids = prompt_ids(tokenizer, None, messages[:-1], conf.data.max_length)
+        generated = target.model.generate(ids[None], max_new_tokens=12, do_sample=False,
+                                          eos_token_id=sorted(target.eos_token_ids),
+                                          pad_token_id=sorted(target.eos_token_ids)[0])
+        reply = tokenizer.decode(generated[0, ids.numel():], skip_special_tokens=True).strip()
+        assert messages[-1] == {"role": "assistant", "content": reply}
 
 
 def test_init_from_continues_a_trained_head(tiny, tmp_path):

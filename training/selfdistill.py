@@ -2,35 +2,28 @@
 
 A head trained on the target's own replies learns what it will be asked to draft. ``self_distill`` writes JSONL
 records ``{"id", "messages"}`` (``data=selfdistill data.path=FILE`` trains on them); scripts/prepare_data.py
-selfdistill is its command line.
+selfdistill is its command line. Generating the replies is the slow part, so it runs on the serving runtime: the
+batched decoder with continuous batching, drafting with a head or prompt lookup (lossless: the replies are the
+target's own, greedy or sampled), in the faster dtype when asked.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from runtime.proposers.spec import ProposerSpec
 from runtime.target import load_target
 from training.config import TrainConfig, validate
-from training.data import collect_conversations
+from training.data import collect_conversations, resolve_template
 from training.recipe import target_dtype
-
-
-def encode_prompts(tokenizer, prompts: list[str], max_length: int):
-    """A left-padded batch of chat prompts ([B, T] ``input_ids`` and ``attention_mask``, T <= max_length) for
-    ``generate``. A prompt longer than ``max_length`` loses its start, not its end: the end is the generation prompt
-    that the reply follows. A tokenizer without a pad token pads with its end-of-sequence token."""
-    tokenizer.padding_side = "left"
-    tokenizer.truncation_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer(prompts, return_tensors="pt", padding=True, truncation=True, max_length=max_length,
-                     add_special_tokens=False)
 
 
 def finished_ids(out: Path) -> set[int]:
@@ -78,55 +71,122 @@ def parse_record(line: bytes) -> dict | None:
     return record if isinstance(record, dict) and isinstance(record.get("id"), int) else None
 
 
-def self_distill(conf: TrainConfig, out: Path, max_new_tokens: int, batch_size: int, max_turns: int) -> Path:
-    """Replace every assistant turn (up to ``max_turns`` per conversation) of ``conf.data``'s conversations by the
-    greedy reply of ``conf.target`` to the conversation so far (its own earlier replies included). Appends to
-    ``out``, a batch at a time; conversations already there are skipped, so an interrupted run resumes (a line it
-    left half-written is dropped and regenerated)."""
+@dataclass(frozen=True)
+class DistillSettings:
+    """How ``self_distill`` generates the replies.
+
+    max_new_tokens: per reply; max_turns: assistant turns regenerated per conversation (each turn's prompt holds
+    the target's own earlier replies); batch_size: rows the batched decoder runs at once (continuous batching:
+    a finished reply's row goes to the next prompt); chunk: conversations written per batch of records (what an
+    interrupted run loses at most). proposer: what drafts for the target (None: plain decoding; the output is the
+    target's either way, speculation only makes it faster); temperature / top_p: greedy at 0, else sampled, each
+    conversation's turn t from its own seed (``runtime.prompts.prompt_seed(seed, conversation, t)``), so a resumed
+    run generates what an uninterrupted one would. dtype: the target's dtype for generating (None: the training
+    config's ``target.dtype``); bfloat16 is the faster one on most CPUs (scripts/benchmark.py measures both).
+    """
+
+    max_new_tokens: int = 256
+    max_turns: int = 1
+    batch_size: int = 16
+    chunk: int = 64
+    proposer: ProposerSpec | None = None
+    temperature: float = 0.0
+    top_p: float | None = None
+    seed: int = 0
+    dtype: str | None = None
+
+    def __post_init__(self):
+        for name in ("max_new_tokens", "max_turns", "batch_size", "chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DistillSettings.{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature < 0:
+            raise ValueError(f"DistillSettings.temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"DistillSettings.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class DistillStats:
+    """What a ``self_distill`` run generated: conversations written, reply tokens, seconds generating."""
+
+    conversations: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def prompt_ids(tokenizer, template: str | None, messages: list[dict], max_length: int) -> torch.Tensor:
+    """Token ids [P] of ``messages`` through the chat template (``template``, None: the tokenizer's own) with the
+    generation prompt, at most ``max_length``: a longer conversation loses its start, not its end (the end is the
+    generation prompt the reply follows)."""
+    text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return torch.tensor(ids[-max_length:], dtype=torch.long)
+
+
+def self_distill(conf: TrainConfig, out: Path, settings: DistillSettings = DistillSettings()) -> DistillStats:
+    """Replace every assistant turn (up to ``settings.max_turns`` per conversation) of ``conf.data``'s conversations
+    by the target's own reply to the conversation so far (its own earlier replies included), generated by the
+    batched speculative decoder (``runtime.batched.BatchedDecoder``). Appends JSONL records ``{"id", "messages"}``
+    to ``out``, ``settings.chunk`` conversations at a time; conversations already there are skipped, so an
+    interrupted run resumes (a line it left half-written is dropped and regenerated). Returns what it generated."""
+    from runtime.batched import BatchedDecoder
+    from runtime.proposers import build_proposer
+    from runtime.proposers.base import NoProposer
+    from runtime.prompts import prompt_seed
+
     validate(conf)
     done = finished_ids(out)  # before any slow work: a damaged file is reported first
     conversations = collect_conversations(conf.data)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target = load_target(conf.target.name, dtype=target_dtype(conf, device), device=device,
+    target = load_target(conf.target.name, dtype=settings.dtype or target_dtype(conf, device), device=device,
                          trust_remote_code=conf.target.trust_remote_code, attn_implementation="sdpa")
+    proposer = build_proposer(settings.proposer, target) if settings.proposer is not None else NoProposer()
+    decoder = BatchedDecoder(target, proposer)
     tokenizer = target.tokenizer
+    template = resolve_template(tokenizer, conf.data.chat_template)  # the template the training samples use
     todo = [(index, c) for index, c in enumerate(conversations) if index not in done]
     out.parent.mkdir(parents=True, exist_ok=True)
+    stats = DistillStats()
     bar = tqdm(total=len(conversations), initial=len(conversations) - len(todo), desc="self-distilling", unit="conv")
-    eos = sorted(target.eos_token_ids)
     with open(out, "a", encoding="utf-8") as sink:
-        for start in range(0, len(todo), batch_size):
-            chunk = todo[start: start + batch_size]
-            # keep each conversation up to its max_turns-th assistant turn; replies are rebuilt turn by turn
-            results = [[] for _ in chunk]
+        for start in range(0, len(todo), settings.chunk):
+            chunk = todo[start: start + settings.chunk]
+            results = [[] for _ in chunk]  # each conversation up to its latest regenerated reply
             pending = [list(c) for _, c in chunk]
-            for _turn in range(max_turns):
+            for turn in range(settings.max_turns):
                 prompts, rows = [], []
                 for row, messages in enumerate(pending):
                     while messages and messages[0]["role"] != "assistant":
                         results[row].append(messages.pop(0))
                     if messages and results[row]:
                         messages.pop(0)  # the original reply, replaced below
-                        prompts.append(tokenizer.apply_chat_template(results[row], tokenize=False,
-                                                                     add_generation_prompt=True))
+                        prompts.append(prompt_ids(tokenizer, template, results[row],
+                                                  conf.data.max_length))
                         rows.append(row)
                 if not prompts:
                     break
-                encoded = encode_prompts(tokenizer, prompts, conf.data.max_length).to(device)
-                with torch.no_grad():
-                    generated = target.model.generate(**encoded, max_new_tokens=max_new_tokens, do_sample=False,
-                                                      eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
-                replies = tokenizer.batch_decode(generated[:, encoded["input_ids"].shape[1]:],
-                                                 skip_special_tokens=True)
-                for row, reply in zip(rows, replies):
-                    results[row].append({"role": "assistant", "content": reply.strip()})
+                seeds = [prompt_seed(settings.seed, chunk[row][0], turn) for row in rows]
+                started = time.perf_counter()
+                for number, result in decoder.results(prompts, settings.max_new_tokens, settings.temperature,
+                                                      top_p=settings.top_p, seeds=seeds,
+                                                      batch_size=settings.batch_size):
+                    reply = tokenizer.decode(result.tokens, skip_special_tokens=True).strip()
+                    results[rows[number]].append({"role": "assistant", "content": reply})
+                    stats.tokens += len(result.tokens)
+                stats.seconds += time.perf_counter() - started
+                bar.set_postfix(tokens_per_s=f"{stats.tokens_per_s:.1f}")
             for (index, _), messages in zip(chunk, results):
                 while messages and messages[-1]["role"] != "assistant":
                     messages.pop()  # end on the last regenerated reply
                 if messages:
                     sink.write(json.dumps({"id": index, "messages": messages}, ensure_ascii=False) + "\n")
+                    stats.conversations += 1
             sink.flush()
-            os.fsync(sink.fileno())  # a finished batch survives a kill
+            os.fsync(sink.fileno())  # a finished chunk survives a kill
             bar.update(len(chunk))
     bar.close()
-    return out
+    return stats
