@@ -1,15 +1,13 @@
 """What a head needs to know about its target: stock layer classes, a signature to check, a tokenizer fingerprint.
 
-Architecture differences between targets are data: the decoder layer, norm and rotary classes are looked up from the
-target's config class in transformers, never re-implemented here.
+Draft layers are Llama-style for every target family (``draft_layer_config``): what the serving engines and the
+published heads build. Their shapes and rotary settings come from the target's config.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import hashlib
-import importlib
 import inspect
 import json
 
@@ -32,39 +30,49 @@ def _cache_argument_name(forward) -> str:
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
-def stock_classes(config) -> tuple[type, type]:
-    """(DecoderLayer class, RotaryEmbedding class) of the transformers model family that ``config`` belongs to."""
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
-
-    model_type = config.model_type
-    if model_type not in MODEL_MAPPING_NAMES:
-        raise ValueError(f"transformers has no base model for model_type {model_type!r}; heads need a decoder-only "
-                         f"family with a DecoderLayer class (llama, qwen2, mistral, ...)")
-    model_name = MODEL_MAPPING_NAMES[model_type]
-    module = importlib.import_module(f"transformers.models.{model_type_to_module_name(model_type)}.modeling_"
-                                     f"{model_type_to_module_name(model_type)}")
-    prefix = model_name[: -len("Model")] if model_name.endswith("Model") else model_name
-    layer_cls = getattr(module, f"{prefix}DecoderLayer", None)
-    rotary_cls = getattr(module, f"{prefix}RotaryEmbedding", None)
-    if layer_cls is None or rotary_cls is None:
-        raise ValueError(f"{module.__name__} has no {prefix}DecoderLayer/{prefix}RotaryEmbedding; "
-                         f"model_type {model_type!r} is not supported by the draft heads")
-    return layer_cls, rotary_cls
+def draft_rope_parameters(target_config) -> dict:
+    """The target's rotary settings for a draft layer: ``rope_parameters`` (transformers 5), or the full-attention
+    entry where a family keeps one per layer type (Gemma-3), or the legacy ``rope_theta``/``rope_scaling``."""
+    params = getattr(target_config, "rope_parameters", None)
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        params = dict(getattr(target_config, "rope_scaling", None) or {"rope_type": "default"})
+        params["rope_theta"] = float(getattr(target_config, "rope_theta", 10000.0))
+    return {key: value for key, value in params.items() if value is not None}
 
 
-def head_layer_config(target_config, num_layers: int = 1):
-    """A copy of the target's config for the head's own layers: stock SDPA attention (takes 4D bool masks)."""
-    config = copy.deepcopy(target_config)
-    config.num_hidden_layers = num_layers
-    config._attn_implementation = "sdpa"
-    # Heads have no sliding-window/layer-type variety: every layer is a full-attention layer.
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = ["full_attention"] * num_layers
-    # SDPA takes no attention logit soft-capping (Gemma-2); a draft head's own layers do without it.
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        config.attn_logit_softcapping = None
+def draft_layer_config(target_config, num_layers: int = 1):
+    """A ``LlamaConfig`` for the draft layers of an EAGLE head, derived from any target's config.
+
+    The serving engines (SGLang, vLLM), the EAGLE authors' code and SpecForge build the draft layer Llama-style for
+    every target family: no q/k/v bias (Qwen2), no q/k norm (Qwen3), SwiGLU with SiLU, RMSNorm ``w * x``. A head
+    built from the target's own layer class would not export to them. The shapes and rotary settings are the
+    target's: hidden size, heads, key/value heads, head width, MLP width, norm epsilon, rope.
+    """
+    from transformers import LlamaConfig
+
+    heads = int(target_config.num_attention_heads)
+    hidden = int(target_config.hidden_size)
+    head_dim = getattr(target_config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(target_config, "num_key_value_heads", None) or heads
+    config = LlamaConfig(
+        hidden_size=hidden, intermediate_size=int(target_config.intermediate_size), num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=int(kv_heads),
+        head_dim=int(head_dim), hidden_act="silu", rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(getattr(target_config, "max_position_embeddings", 2048)),
+        rope_parameters=draft_rope_parameters(target_config), attention_bias=False, mlp_bias=False,
+        vocab_size=int(target_config.vocab_size), tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"  # stock SDPA takes the runtime's 4D boolean tree masks
     return config
+
+
+def draft_layer_classes() -> tuple[type, type]:
+    """(DecoderLayer class, RotaryEmbedding class) of EAGLE draft layers: Llama's, whatever the target (see
+    ``draft_layer_config``)."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    return LlamaDecoderLayer, LlamaRotaryEmbedding
 
 
 def tokenizer_fingerprint(tokenizer) -> str | None:

@@ -1,7 +1,8 @@
 """EAGLE feature heads: the shared base, and EAGLE-1/2 (one or more decoder layers over the target's last feature).
 
-Heads are built from the target's own transformers classes (decoder layer, RMSNorm, rotary embedding) and called
-with explicit position ids, a 4D boolean mask and any cache with ``update(key, value, layer_idx)``.
+Draft layers are transformers' Llama decoder layer, RMSNorm and rotary embedding for every target family, shaped
+like the target's layers (``heads.common.draft_layer_config``: what SGLang, vLLM and the published heads build); they
+are called with explicit position ids, a 4D boolean mask and any cache with ``update(key, value, layer_idx)``.
 
 Row t of a forward sees the token that *follows* feature t: ``input_ids[:, t]`` is token t+1 and ``features[:, t]``
 is the target's feature at position t; ``position_ids[:, t]`` is the feature's position (t). The row predicts the
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads.base import DraftHead
-from heads.common import FrozenProjection, cache_argument, head_layer_config, softcap_logits, stock_classes
+from heads.common import FrozenProjection, cache_argument, draft_layer_classes, draft_layer_config, softcap_logits
 
 
 class FeatureHead(DraftHead):
@@ -33,8 +34,8 @@ class FeatureHead(DraftHead):
 
     def __init__(self, config, target_config, num_layers: int):
         super().__init__(config, target_config)
-        self.layer_class, rotary_class = stock_classes(target_config)
-        self.layer_config = head_layer_config(target_config, num_layers)
+        self.layer_class, rotary_class = draft_layer_classes()
+        self.layer_config = draft_layer_config(target_config, num_layers)
         self.rotary = rotary_class(self.layer_config)
         self.register_buffer("embed_weight", torch.empty(0), persistent=False)
 

@@ -62,8 +62,8 @@ class Eagle3Head(FeatureHead):
             old = getattr(attention, name)
             setattr(attention, name, nn.Linear(2 * hidden, old.out_features, bias=old.bias is not None))
         norm_class = type(self.midlayer.post_attention_layernorm)
-        self.midlayer.hidden_norm = norm_class(hidden, eps=target_config.rms_norm_eps)
-        self.norm = norm_class(hidden, eps=target_config.rms_norm_eps)
+        self.midlayer.hidden_norm = norm_class(hidden, eps=self.layer_config.rms_norm_eps)
+        self.norm = norm_class(hidden, eps=self.layer_config.rms_norm_eps)
         draft_vocab = config.draft_vocab_size or self.target_vocab_size
         self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))

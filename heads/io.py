@@ -1,4 +1,5 @@
-"""Head checkpoints (a directory: ``config.json`` + ``model.safetensors``) and export for serving engines.
+"""Head checkpoints (a directory: ``config.json`` + ``model.safetensors``) and export for serving engines (the
+layouts, and import of published heads: heads/formats.py).
 
 Our format records the head's architecture and the target it was trained for (identity, model type, hidden size,
 vocabulary, layer count, tokenizer fingerprint); loading compares all of it with the target at hand and names every
@@ -37,6 +38,10 @@ EXPORT_FORMAT = "headstart-export"
 # Set on the config of a target exported with a Medusa-2 head's LoRA adapters merged in: the adapters' fingerprint.
 # HF configs keep unknown attributes through save_pretrained / from_pretrained, so it travels with the weights.
 MERGED_ADAPTERS_KEY = "headstart_merged_adapters"
+# EAGLE heads record the style of their draft layers. Heads saved before the key existed used the target's own
+# decoder layer, which is the Llama layer (same weights, same computation) only for these families.
+DRAFT_LAYER = "llama"
+LLAMA_LAYER_FAMILIES = ("llama", "mistral")
 # The integer settings of a head config's tree section (all optional), and what each one sets.
 TREE_INTEGERS = {"depth": "the draft depth", "top_k": "the branching per tree level", "size": "the verified tree size",
                  "tokens": "the verified tree size, as older versions call it"}
@@ -89,6 +94,7 @@ def save_head(head: nn.Module, directory: str | os.PathLike, target: dict, *, tr
         "format_version": FORMAT_VERSION,
         "head_type": _check_head(head).head_type,
         "head_config": asdict(head.config),
+        **({"draft_layer": DRAFT_LAYER} if head.head_type in ("eagle", "eagle3") else {}),
         "target": target,
         "tree": tree or {},
         "training": training or {},
@@ -213,6 +219,20 @@ def check_target(saved: dict, actual: dict, where: str, head_type: str, feature_
                       f"(same shapes and tokenizer)", stacklevel=3)
 
 
+def check_draft_layer(saved: dict, directory: Path) -> None:
+    """Refuse an EAGLE head whose draft layers are the target's own non-Llama layer (saved by an earlier version):
+    its weights would load into a Llama-style layer that computes something else, or not load at all."""
+    family = saved["target"].get("model_type")
+    style = saved.get("draft_layer")
+    if saved["head_type"] not in ("eagle", "eagle3") or style == DRAFT_LAYER or (
+            style is None and family in LLAMA_LAYER_FAMILIES):
+        return
+    raise ValueError(f"{directory / CONFIG_NAME}: this {saved['head_type']} head was saved by an earlier version with "
+                     f"draft layers of the target's own {family} layer class; draft layers are now Llama-style for "
+                     f"every target (no q/k/v bias, no q/k norm), as SGLang, vLLM and the published heads build them. "
+                     f"Train the head again for this version (python training/train.py head={saved['head_type']} ...)")
+
+
 def load_head(directory: str | os.PathLike, target_model_or_config, *, identity: str | None = None,
               tokenizer=None, device: str | torch.device | None = None,
               dtype: torch.dtype | None = None) -> nn.Module:
@@ -227,6 +247,7 @@ def load_head(directory: str | os.PathLike, target_model_or_config, *, identity:
     head_config = saved["head_config"]
     actual = target_signature(target_model_or_config, identity, tokenizer)
     check_target(saved["target"], actual, str(directory), head_type, head_config.get("feature_layers", []))
+    check_draft_layer(saved, directory)
     config = getattr(target_model_or_config, "config", target_model_or_config)
     head = build_head(head_type, head_config, config)
     weights_path = directory / WEIGHTS_NAME
@@ -245,49 +266,12 @@ def load_head(directory: str | os.PathLike, target_model_or_config, *, identity:
     return head.eval()
 
 
-# ----- export for serving engines
+# ----- export for serving engines (the layouts: heads/formats.py)
 
-def _llama_style_config(target_config, **overrides) -> dict:
-    data = target_config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "auto_map"):
-        data.pop(key, None)
-    data.update(overrides)
-    return data
-
-
-def serving_export(head: nn.Module) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json dict, tensors) as SGLang/vLLM load them. ``head`` must have its target weights attached."""
-    target_config = head.target_config
-    head_type = _check_head(head).head_type
-    state = {name: tensor.detach().contiguous().cpu() for name, tensor in head.state_dict().items()}
-    if head_type == "eagle3":
-        # Serving engines name captured layers by the layer whose *output* they take: input of layer i = output of
-        # layer i-1 (SGLang adds 1 back when it sets the layers to capture).
-        config = _llama_style_config(
-            target_config, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
-            draft_vocab_size=head.draft_vocab_size, tie_word_embeddings=False,
-            eagle_config={"eagle_aux_hidden_state_layer_ids": [i - 1 for i in head.feature_layers],
-                          "use_aux_hidden_state": True, "use_input_layernorm_in_first_layer": True})
-        return config, state
-    if head_type == "eagle":
-        config = _llama_style_config(target_config, architectures=["LlamaForCausalLMEagle"],
-                                     num_hidden_layers=head.config.num_layers)
-        return config, state
-    num_layers = head.config.num_layers
-    tensors = {name: tensor for name, tensor in state.items() if name.startswith("blocks.")}
-    for index in range(head.num_heads):
-        if head.config.shared_lm_head:  # vLLM expects one LM head per Medusa head: write the shared one out
-            if head.target_lm_head_weight.numel() == 0:
-                raise RuntimeError("exporting a shared-LM-head Medusa needs the target attached (load_head with "
-                                   "the target model)")
-            tensors[f"lm_heads.{index}.weight"] = head.target_lm_head_weight.detach().contiguous().cpu().clone()
-        else:
-            tensors[f"lm_heads.{index}.weight"] = state[f"lm_heads.{index}.weight"]
-    config = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": head.hidden_size,
-              "vocab_size": head.vocab_size, "truncated_vocab_size": head.vocab_size, "num_heads": head.num_heads,
-              "num_hidden_layers": num_layers, "medusa_num_heads": head.num_heads,
-              "medusa_num_layers": num_layers}
-    return config, tensors
+def default_export_format(head_type: str) -> str:
+    """The layout an export gets unless one is asked for: SGLang's for EAGLE heads, vLLM's for Medusa (SGLang has
+    no Medusa)."""
+    return "vllm" if head_type == "medusa" else "sglang"
 
 
 def export_destination_problem(directory: str | os.PathLike) -> str | None:
@@ -304,7 +288,7 @@ def export_destination_problem(directory: str | os.PathLike) -> str | None:
 
 
 def write_export(directory: str | os.PathLike, fill: Callable[[Path], None], kind: str, *,
-                 force: bool = False) -> Path:
+                 force: bool = False, layout: str | None = None) -> Path:
     """``atomic_directory`` for an export of ``kind`` (``head``, ``merged-target``): refuses to replace what
     ``export_destination_problem`` describes unless ``force``, and marks the new directory as an export."""
     problem = None if force else export_destination_problem(directory)
@@ -313,22 +297,44 @@ def write_export(directory: str | os.PathLike, fill: Callable[[Path], None], kin
 
     def marked(tmp: Path) -> None:
         fill(tmp)
-        _write_json(tmp / EXPORT_MARKER, {"format": EXPORT_FORMAT, "kind": kind})
+        _write_json(tmp / EXPORT_MARKER, {"format": EXPORT_FORMAT, "kind": kind, **({"layout": layout} if layout
+                                                                                      else {})})
 
     return atomic_directory(directory, marked)
 
 
 def export_head(head: nn.Module, out_dir: str | os.PathLike, dtype: torch.dtype | None = None, *,
-                force: bool = False) -> Path:
-    """Write ``head`` in the serving format (SGLang and vLLM read the same layout) to ``out_dir`` atomically.
-    ``out_dir`` must be missing, empty or an earlier export, unless ``force`` (see ``write_export``)."""
-    config, tensors = serving_export(head)
-    if dtype is not None:
-        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+                force: bool = False, fmt: str | None = None, base_model: str | None = None) -> Path:
+    """Write ``head`` for one reader to ``out_dir`` atomically: ``fmt`` is ``sglang``, ``vllm`` or ``reference``
+    (``heads.formats``; None: ``default_export_format``). A format that cannot carry the head raises ValueError
+    saying which can. ``out_dir`` must be missing, empty or an earlier export, unless ``force`` (``write_export``)."""
+    from heads.formats import export_files, write_files
+
+    fmt = fmt or default_export_format(_check_head(head).head_type)
+    files = export_files(head, fmt, base_model=base_model)
+    return write_export(out_dir, lambda tmp: write_files(tmp, files, dtype), "head", force=force, layout=fmt)
+
+
+def export_all(head: nn.Module, out_dir: str | os.PathLike, dtype: torch.dtype | None = None, *,
+               force: bool = False, base_model: str | None = None) -> dict[str, str]:
+    """One export per format that can carry ``head``, in ``out_dir/<format>`` (itself an export: replaced only when
+    missing, empty or an earlier export, unless ``force``). Returns {format: directory, or why it was skipped}."""
+    from heads.formats import EXPORT_FORMATS, export_files, export_refusal, write_files
+
+    done, files = {}, {}
+    for fmt in EXPORT_FORMATS:
+        problem = export_refusal(head.head_type, asdict(head.config), int(head.target_config.num_hidden_layers), fmt)
+        if problem:
+            done[fmt] = f"skipped: {problem}"
+        else:
+            files[fmt] = export_files(head, fmt, base_model=base_model)
+            done[fmt] = str(Path(out_dir) / fmt)
 
     def fill(tmp: Path) -> None:
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        _write_json(tmp / CONFIG_NAME, config)
+        for fmt, content in files.items():
+            (tmp / fmt).mkdir()
+            write_files(tmp / fmt, content, dtype)
+            _write_json(tmp / fmt / EXPORT_MARKER, {"format": EXPORT_FORMAT, "kind": "head", "layout": fmt})
 
-    return write_export(out_dir, fill, "head", force=force)
+    write_export(out_dir, fill, "head-formats", force=force)
+    return done

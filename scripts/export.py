@@ -1,11 +1,23 @@
-"""Export a trained head for serving engines (DESIGN 4), and optionally a Medusa-2 target with its LoRA merged.
+"""Export a trained head for a serving engine or the reference code (DESIGN 4), and optionally a Medusa-2 target
+with its LoRA merged.
 
-  python scripts/export.py runs/eagle3/head exported/eagle3 [--target smollm2-135m] [--dtype bfloat16]
+  python scripts/export.py runs/eagle3/head exported/eagle3 [--format sglang|vllm|reference|all] [--dtype bfloat16]
   python scripts/export.py runs/medusa/head exported/medusa --merged-target exported/target   # Medusa-2
 
-EAGLE-3 -> LlamaForCausalLMEagle3 (fc, midlayer.*, norm, lm_head, d2t, t2d); EAGLE-1 -> LlamaForCausalLMEagle
-(fc, layers.0.*); Medusa -> vLLM's medusa layout (blocks.{h}.layers.{l}, lm_heads.{h}). SGLang and vLLM read the
-same files.
+--format (default: sglang for EAGLE heads, vllm for Medusa) writes exactly what that reader loads:
+  sglang     EAGLE-3 -> LlamaForCausalLMEagle3 (fc, midlayer.*, norm, lm_head, d2t, t2d); EAGLE-1 ->
+             LlamaForCausalLMEagle (fc with bias, layers.{i}.*). SGLang has no Medusa: refused.
+  vllm       EAGLE-3 as for SGLang, layer ids at the top level where vLLM reads them; EAGLE-1 -> LlamaForCausalLM
+             (vLLM's EagleLlamaForCausalLM, whose fc has no bias: a head trained with one is refused); Medusa ->
+             blocks.{h}.layers.{l}, lm_heads.{h} with medusa_fc_bias.
+  reference  the EAGLE authors' code (config.json + pytorch_model.bin; EAGLE-3 with the default layers only) and
+             FasterDecoding's Medusa (medusa_lm_head.pt); economize reads these too.
+  all        one directory per format that can carry the head: OUT/sglang, OUT/vllm, OUT/reference.
+EAGLE configs carry rope_theta beside rope_parameters (legacy readers default to 10000 without it). What each layout
+holds and why: heads/formats.py.
+
+A head directory in any of these layouts (or a published EAGLE-1/EAGLE-3/SpecForge/FasterDecoding Medusa head) loads
+back with --head DIR in generate and benchmark, and with init_from=DIR in training.
 
 Every export holds a marker file (headstart_export.json). OUT and --merged-target are replaced only when they are
 missing, empty or an earlier export; anything else (a run directory, say) needs --force. A merged target records
@@ -18,8 +30,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from heads.io import (MERGED_ADAPTERS_KEY, adapter_fingerprint, export_destination_problem, export_head, load_head,
-                      read_head_config, target_adapters, write_export)
+from heads.formats import EXPORT_FORMATS, export_refusal
+from heads.io import (MERGED_ADAPTERS_KEY, adapter_fingerprint, default_export_format, export_all,
+                      export_destination_problem, export_head, load_head, read_head_config, target_adapters,
+                      write_export)
 from runtime.target import load_target, parse_dtype
 
 from cli import usage_error  # scripts/cli.py
@@ -30,6 +44,8 @@ def parse_args(argv=None):
     parser.add_argument("head", type=Path, help="head directory written by training (OUTPUT_DIR/head)")
     parser.add_argument("out", type=Path, help="output directory (missing, empty or an earlier export)")
     parser.add_argument("--target", default=None, help="target name (default: the one the head was trained for)")
+    parser.add_argument("--format", default=None, choices=(*EXPORT_FORMATS, "all"),
+                        help="the reader to write for (default: sglang for EAGLE heads, vllm for Medusa)")
     parser.add_argument("--dtype", default=None, help="cast weights (bfloat16, float16, float32)")
     parser.add_argument("--merged-target", type=Path, default=None,
                         help="Medusa-2: also write the target with the head's LoRA adapters merged into this dir")
@@ -69,6 +85,11 @@ def check_head(args) -> tuple[dict, Path | None]:
     if args.merged_target is not None and adapters is None:
         raise usage_error("--merged-target", f"{args.head} has no target LoRA adapters (training.target_lora); "
                                              "--merged-target is for Medusa-2 heads: drop it")
+    if args.format not in (None, "all"):
+        layers = saved["target"].get("num_hidden_layers")
+        problem = export_refusal(saved["head_type"], saved["head_config"], layers, args.format)
+        if problem:
+            raise usage_error("--format", problem)
     if args.dtype is not None:
         try:
             parse_dtype(args.dtype)
@@ -103,8 +124,13 @@ def main(argv=None) -> int:
     target = load_target(name, trust_remote_code=args.trust_remote_code, attn_implementation="sdpa")
     head = load_head(args.head, target.model, identity=target.identity, tokenizer=target.tokenizer)
     dtype = parse_dtype(args.dtype) if args.dtype else None
-    export_head(head, args.out, dtype, force=args.force)
-    print(f"exported {saved['head_type']} head to {args.out}")
+    if args.format == "all":
+        for fmt, where in export_all(head, args.out, dtype, force=args.force, base_model=name).items():
+            print(f"{fmt}: {where}")
+    else:
+        fmt = args.format or default_export_format(saved["head_type"])
+        export_head(head, args.out, dtype, force=args.force, fmt=fmt, base_model=name)
+        print(f"exported {saved['head_type']} head for {fmt} to {args.out}")
     if adapters is not None and args.merged_target is None:
         print(f"note: {args.head} was trained with LoRA adapters on its target (Medusa-2); serve it with the target "
               "they are merged into: add --merged-target DIR", file=sys.stderr)

@@ -69,7 +69,8 @@ def test_export_replaces_only_missing_or_empty_directories_and_earlier_exports(t
         export_head(head, run)
     assert contents(run) == before  # nothing of the run was touched
     out = export_head(head, tmp_path / "out")
-    assert json.loads((out / EXPORT_MARKER).read_text()) == {"format": "headstart-export", "kind": "head"}
+    assert json.loads((out / EXPORT_MARKER).read_text()) == {"format": "headstart-export", "kind": "head",
+                                                             "layout": "sglang"}
     assert export_destination_problem(out) is None
     export_head(head, out)  # an earlier export is replaced
     (tmp_path / "empty").mkdir()

@@ -34,7 +34,8 @@ from torch import nn
 from tqdm import tqdm
 
 from heads.common import frozen_target_weights, target_signature
-from heads.io import load_head, save_head
+from heads.formats import load_any_head
+from heads.io import save_head
 from heads.registry import build_head, head_class
 from runtime.target import Target, load_target
 from training import checkpoints
@@ -351,8 +352,10 @@ def training_head(head_conf, target: Target, train_split) -> nn.Module:
 
 def saved_head(directory: str, built: nn.Module, target: Target) -> nn.Module:
     """``init_from``: the head saved in ``directory`` (checked against the target) in place of a fresh one; its type
-    and architecture must be the configured head's, draft vocabulary included (it comes with the weights)."""
-    loaded = load_head(directory, target.model, identity=target.identity, tokenizer=target.tokenizer)
+    and architecture must be the configured head's, draft vocabulary included (it comes with the weights). Any layout
+    ``heads.formats.load_any_head`` reads will do: our head directories and exports, published EAGLE-1/EAGLE-3
+    (the EAGLE authors', SpecForge's) and FasterDecoding Medusa heads."""
+    loaded, _ = load_any_head(directory, target.model, identity=target.identity, tokenizer=target.tokenizer)
     saved, wanted = dataclasses.asdict(loaded.config), dataclasses.asdict(built.config)
     if loaded.head_type != built.head_type or saved != wanted:
         raise ValueError(f"init_from={directory} holds a {loaded.head_type} head with {saved}, but this run "
