@@ -11,9 +11,12 @@ entries at slots ``c_b .. c_b + N - 1`` and attends over ``max(c) + N`` slots, s
 slots, then its tree's ancestor mask at offset c_b, and nothing else (the slots past a row's own entries hold stale
 entries: rejected nodes, another prompt's leftovers). Padding nodes (row b's tree has fewer than N nodes) see the
 row's committed slots and their own slot: a valid softmax row, so no NaN reaches any key or value, and no real node
-ever sees them; they are never accepted. Sliding-window layers get each key slot's position explicitly
-(``key_positions``), since a row's new entries are not the last keys of the pass. The cascade backend's maskless
-prefix is the shortest row's committed length, which every row sees whole.
+ever sees them; they are never accepted. A proposer's extra rows (``runtime.tree.Draft``: lookahead's window) follow
+their row's tree nodes and count towards its N; ``Draft.row_mask`` places them (they see the root and each other as
+the draft says, no node sees them), and their logits go back to that row's proposer state in its next proposal.
+Sliding-window layers get each key slot's position explicitly (``key_positions``), since a row's new entries are not
+the last keys of the pass. The cascade backend's maskless prefix is the shortest row's committed length, which every
+row sees whole.
 
 Prefill. The first prompts are prefilled together, right-padded: a causal mask without the padding (a padding query
 sees itself), each row's first token from its own last prompt position, per-row lengths committed. Continuous
@@ -23,7 +26,8 @@ pass, so no row waits for the longest one. Once no prompt is left to take a fini
 that row (``KVCache.keep_rows``).
 
 The tree size is fixed for every row and step (rows may draft fewer nodes): a size adapted from what the whole batch
-accepts would make one row's trees, and so its random draws when sampling, depend on its neighbours.
+accepts would make one row's trees, and so its random draws when sampling, depend on its neighbours. A proposer that
+sizes its own trees (``runtime.proposers.base.sizes_own_tree``) keeps its size at every batch size.
 """
 
 from __future__ import annotations
@@ -42,10 +46,10 @@ from runtime.decoder import (GenerationResult, Stops, check_prompt_length, check
                              drawn_accept, pick_token)
 from runtime.kv_cache import KVCache
 from runtime.monitor import monitor_for
-from runtime.proposers.base import NoProposer, Proposer, ProposeInput
+from runtime.proposers.base import NoProposer, Proposer, ProposeInput, extra_rows, sizes_own_tree
 from runtime.sampling import SamplingParams, new_generator
 from runtime.target import Target
-from runtime.tree import Tree
+from runtime.tree import Draft, Tree
 
 
 @dataclass
@@ -91,6 +95,7 @@ class _Row:
     new_hidden: torch.Tensor | None = None
     new_layer_hidden: tuple[torch.Tensor, ...] = ()
     pending: list[int] | None = None  # tokens from the last pass not yet emitted
+    extra_logits: torch.Tensor | None = None  # [E, V]: the last pass's logits at this row's extra rows
 
 
 class BatchedDecoder:
@@ -171,12 +176,18 @@ class BatchedDecoder:
         started = time.perf_counter()
         queue = deque(range(len(prompts)))
         width = min(batch_size, len(prompts))
-        if self.fixed_tree_size is None:
+        if self.fixed_tree_size is None and sizes_own_tree(self.proposer):
+            self.tree_size = self.proposer.tree_size
+            why = getattr(self.proposer, "tree_size_reason", None)
+            self.tree_size_reason = (f"{self.tree_size}, the {self.proposer.name} proposer's own size"
+                                     + (f" ({why})" if why else ""))
+        elif self.fixed_tree_size is None:
             # Greedy output does not depend on the tree, so the size may follow the batch; a sampled row's draws
             # do, and must not depend on how many rows share its batch: sampling keeps the one-row size.
             self.tree_size, reason = batch_tree_size(self.target, self.proposer, width if sampling.greedy else 1)
             self.tree_size_reason = f"fixed for this run at {reason}"
-        max_length = max(prompt.numel() for prompt in prompts) + max_new_tokens + self.tree_size + 1
+        max_length = (max(prompt.numel() for prompt in prompts) + max_new_tokens + self.tree_size
+                      + extra_rows(self.proposer) + 1)
         settings = (prompts, max_new_tokens, sampling, seeds)
         with torch.inference_mode():
             cache = self.target.new_cache(width, max_length)
@@ -220,6 +231,16 @@ class BatchedDecoder:
             stats.row_passes += len(rows)
             stats.seconds = time.perf_counter() - started
         stats.seconds = time.perf_counter() - started
+
+    def _checked(self, proposal: Tree | Draft) -> Draft:
+        """A proposal as a Draft, checked against what the cache was sized for."""
+        draft = Draft.of(proposal)
+        most = extra_rows(self.proposer)
+        if draft.tree.size > self.tree_size or draft.extra_count > most:
+            raise ValueError(f"the {self.proposer.name} proposer drafted {draft.tree.size} nodes and "
+                             f"{draft.extra_count} extra rows; the cache holds at most {self.tree_size} and {most} "
+                             f"(the proposer's extra_rows)")
+        return draft
 
     def _prefill(self, cache: KVCache, indices: list[int], prompts: list[torch.Tensor], max_new_tokens: int,
                  sampling: SamplingParams, seeds: list[int] | None) -> list[_Row]:
@@ -272,20 +293,21 @@ class BatchedDecoder:
     def _step(self, rows: list[_Row], cache: KVCache, sampling: SamplingParams) -> None:
         """Draft a tree per row, verify every row's tree in one target pass, accept per row, compact the cache."""
         target, device, proposer = self.target, self.target.device, self.proposer
-        trees: list[Tree] = []
+        drafts: list[Draft] = []
         for row in rows:
             if self.tree_size == 1:
                 # the size is fixed for the run: a proposer that may draft nothing need not read anything either
                 # (an EAGLE head would otherwise still run over every verified row)
-                trees.append(Tree.chain(int(row.history[row.length - 1]), [], device=device))
+                drafts.append(Draft(Tree.chain(int(row.history[row.length - 1]), [], device=device)))
                 continue
             step = ProposeInput(row.history[:row.length], row.new_hidden, row.new_layer_hidden, self.tree_size,
-                                sampling, row.generator)
+                                sampling, row.generator, row.extra_logits)
             drafting = time.perf_counter()
-            trees.append(proposer.propose(row.state, step))
+            drafts.append(self._checked(proposer.propose(row.state, step)))
             row.result.draft_seconds += time.perf_counter() - drafting
+        trees = [draft.tree for draft in drafts]
         batch = len(rows)
-        nodes = max(tree.size for tree in trees)
+        nodes = max(draft.rows for draft in drafts)
         committed = [row.length - 1 for row in rows]  # the root is the last history token, not in the cache yet
         keys = max(committed) + nodes
         tokens = torch.zeros(batch, nodes, dtype=torch.long)
@@ -293,17 +315,17 @@ class BatchedDecoder:
         mask = torch.zeros(batch, 1, nodes, keys, dtype=torch.bool)
         key_positions = torch.arange(keys).repeat(batch, 1)
         cpu_trees = []
-        for b, tree in enumerate(trees):
-            size, start = tree.size, committed[b]
+        for b, (tree, draft) in enumerate(zip(trees, drafts)):
+            used, start = draft.rows, committed[b]
             tree_tokens, parents, ancestors = tree.tokens.cpu(), tree.parents.cpu(), tree.ancestor_mask().cpu()
             cpu_trees.append((tree_tokens, parents, ancestors))
-            tokens[b, :size] = tree_tokens
-            tokens[b, size:] = tree_tokens[0]
-            positions[b, :size] = start + tree.depths.cpu()
-            positions[b, size:] = start
+            tokens[b, :used] = draft.tokens().cpu()
+            tokens[b, used:] = tree_tokens[0]
+            positions[b, :used] = draft.position_ids(start).cpu()
+            positions[b, used:] = start
             mask[b, 0, :, :start] = True
-            mask[b, 0, :size, start:start + size] = ancestors
-            padding = torch.arange(size, nodes)
+            mask[b, 0, :used, start:start + used] = draft.row_mask(ancestors)
+            padding = torch.arange(used, nodes)
             mask[b, 0, padding, start + padding] = True
             key_positions[b, start:start + nodes] = positions[b]
         out = target.forward(tokens.to(device), positions.to(device), cache, mask.to(device),
@@ -325,6 +347,7 @@ class BatchedDecoder:
             keep[b, :len(path)] = torch.tensor(path)
         cache.compact(keep.to(device), torch.tensor([len(path) for path, _ in paths], device=device))
         for b, (row, tree, (path, bonus)) in enumerate(zip(rows, trees, paths)):
+            row.extra_logits = out.logits[b, tree.size:drafts[b].rows] if drafts[b].extra_count else None
             result = row.result
             result.target_forwards += 1
             result.tree_sizes.append(tree.size)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.peers import PeerDecoder, PeerMethod
 from runtime.proposers.spec import ProposerSpec
 
 HF_METHODS = ("hf-greedy", "hf-pld", "hf-assisted", "hf-early-exit")
@@ -119,18 +120,22 @@ class DecoderMethod:
             raise ValueError(f"DecoderMethod.tree_size must be >= 1, got {self.tree_size}")
 
 
-Method = HFBaseline | DecoderMethod
+Method = HFBaseline | DecoderMethod | PeerMethod  # PeerMethod: another decoder (runtime/peers.py)
 
 
 def method_to_json(method: Method) -> dict:
     if isinstance(method, HFBaseline):
         return {"hf": asdict(method)}
+    if isinstance(method, PeerMethod):
+        return {"peer": asdict(method)}
     return {"proposer": asdict(method.proposer), "tree_size": method.tree_size}
 
 
 def method_from_json(data: dict) -> Method:
     if "hf" in data:
         return HFBaseline(**data["hf"])
+    if "peer" in data:
+        return PeerMethod(**data["peer"])
     return DecoderMethod(ProposerSpec(**data["proposer"]), data.get("tree_size"))
 
 
@@ -454,6 +459,10 @@ def run_benchmark(target, target_name: str, methods: dict[str, Method], prompts:
     decoders = {name: SpeculativeDecoder(target, build_proposer(method.proposer, target),
                                          tree_size=method.tree_size or tree_size)
                 for name, method in methods.items() if isinstance(method, DecoderMethod)}
+    if temperature > 0 and any(isinstance(method, PeerMethod) for method in methods.values()):
+        raise ValueError("the peer decoders (economize-*, flashspec-ngram) run greedy only: use temperature 0")
+    peers = {name: PeerDecoder(method, target, target_name) for name, method in methods.items()
+             if isinstance(method, PeerMethod)}
 
     def run(name, ids, new_tokens):
         method = methods[name]
@@ -461,6 +470,8 @@ def run_benchmark(target, target_name: str, methods: dict[str, Method], prompts:
             assistant = models.assistant(method.draft_model) if method.draft_model else None
             return run_hf(models.model(method.dtype), models.counter(method.dtype), ids, method, new_tokens, eos,
                           temperature, seed, assistant)
+        if name in peers:
+            return peers[name].generate(ids, new_tokens, eos)
         return run_ours(decoders[name], ids, new_tokens, temperature, seed)
 
     names = list(methods)
@@ -551,6 +562,8 @@ BATCH_HF_METHODS = ("hf-greedy",)  # transformers' prompt lookup and assisted ge
 def check_batch_methods(methods: dict[str, Method]) -> None:
     """What ``run_batch_benchmark`` can run: HF greedy (in any dtype) and our decoders."""
     for name, method in methods.items():
+        if isinstance(method, PeerMethod):
+            raise ValueError(f"{name}: the peer decoders run one prompt at a time; benchmark them without a batch size")
         if isinstance(method, HFBaseline) and method.method not in BATCH_HF_METHODS:
             raise ValueError(f"{name}: {method.method} runs one prompt at a time in transformers; at a batch size "
                              f"the HF baseline is hf-greedy (in any dtype)")

@@ -12,10 +12,10 @@ from runtime.acceptance import greedy_accept, rejection_accept, typical_accept
 from runtime.attention import BACKENDS, default_backend
 from runtime.cost_model import adaptive_sizer, synchronized_seconds
 from runtime.monitor import monitor_for
-from runtime.proposers.base import NoProposer, Proposer, ProposeInput
+from runtime.proposers.base import NoProposer, Proposer, ProposeInput, extra_rows, sizes_own_tree
 from runtime.sampling import SamplingParams, new_generator, processed_probs, sample
 from runtime.target import Target
-from runtime.tree import Tree, verification_mask
+from runtime.tree import Draft, Tree, verification_mask
 
 
 @dataclass
@@ -106,7 +106,11 @@ class SpeculativeDecoder:
     tree_size: the verified tree's size (nodes, root included) for every step; None (the default) lets a
     ``runtime.tree_sizing.TreeSizer`` choose it step by step, starting from this machine's cost curve
     (``runtime.cost_model``) and the proposer's prior acceptance (or its measured size), learning acceptance as it
-    goes. ``tree_size_reason`` says which and why; each result's ``tree_sizes`` lists the sizes used.
+    goes, unless the proposer sizes its own trees (``runtime.proposers.base.sizes_own_tree``). ``tree_size_reason``
+    says which and why; each result's ``tree_sizes`` lists the sizes used.
+
+    A proposer may return a ``Draft`` with extra rows (``runtime.tree.Draft``): they go into the same pass after the
+    tree's nodes, and their logits go back to the proposer in the next ``ProposeInput.extra_logits``.
 
     acceptance: "exact" (greedy at temperature 0, lossless rejection sampling otherwise) or "typical" (Medusa's
     lossy typical acceptance, opt-in). attention: a backend of runtime.attention, or "auto": the flash-attn cascade
@@ -123,8 +127,16 @@ class SpeculativeDecoder:
         self.proposer = proposer if proposer is not None else NoProposer()
         self.attention = checked_backend(target, attention, acceptance, tree_size)
         self.acceptance = acceptance
+        self.extra_rows = extra_rows(self.proposer)
+        own = tree_size is None and sizes_own_tree(self.proposer)
+        if own:
+            tree_size = self.proposer.tree_size
         self.sizer = None if tree_size is not None else adaptive_sizer(target, self.proposer)
-        if tree_size is not None:
+        if own:
+            why = getattr(self.proposer, "tree_size_reason", None)
+            self.tree_size_reason = (f"{tree_size}, the {self.proposer.name} proposer's own size"
+                                     + (f" ({why})" if why else ""))
+        elif tree_size is not None:
             self.tree_size_reason = f"fixed at {tree_size} (tree_size={tree_size})"
         elif self.sizer is None:
             tree_size, self.tree_size_reason = 1, f"1: the {self.proposer.name} proposer drafts nothing"
@@ -180,7 +192,7 @@ class SpeculativeDecoder:
 
         with torch.inference_mode():
             started = time.perf_counter()
-            max_length = prompt_len + max_new_tokens + self.tree_size + 1
+            max_length = prompt_len + max_new_tokens + self.tree_size + self.extra_rows + 1
             cache = target.new_cache(1, max_length)
             history = torch.empty(max_length, dtype=torch.long, device=device)
             history[:prompt_len] = prompt
@@ -195,6 +207,7 @@ class SpeculativeDecoder:
             new_hidden = out.hidden[0] if proposer.needs_hidden else None
             new_layer_hidden = tuple(h[0] for h in out.layer_hidden)
             pending = [first]
+            extra_logits = None
         while True:
             emitted = stops.emit(pending, result, max_new_tokens)
             if result.target_forwards > 1:
@@ -207,11 +220,14 @@ class SpeculativeDecoder:
                 history[length:length + len(emitted)] = torch.tensor(emitted, device=device)
                 length += len(emitted)
                 size = self.tree_size if self.sizer is None else self.sizer.choose()
-                step = ProposeInput(history[:length], new_hidden, new_layer_hidden, size, sampling, generator)
+                step = ProposeInput(history[:length], new_hidden, new_layer_hidden, size, sampling, generator,
+                                    extra_logits)
                 drafting = time.perf_counter()
-                tree = proposer.propose(state, step)
+                draft = self._checked(proposer.propose(state, step))
+                tree = draft.tree
                 result.draft_seconds += time.perf_counter() - drafting
-                path, bonus, out = self._verify(tree, cache, sampling, generator, hidden_layers)
+                path, bonus, out = self._verify(draft, cache, sampling, generator, hidden_layers)
+                extra_logits = out.logits[0, tree.size:] if draft.extra_count else None
                 if self.sizer is not None:
                     # a step's time counts when the tree had the size asked for (lookup that finds nothing
                     # drafts less); learning costs from timings is off when a seeded sampling run must repeat
@@ -230,17 +246,28 @@ class SpeculativeDecoder:
         result.seconds = time.perf_counter() - started
         return result
 
-    def _verify(self, tree, cache, sampling: SamplingParams, generator, hidden_layers):
-        """One target pass over the tree; accept; keep only the accepted path in the cache."""
+    def _checked(self, proposal: Tree | Draft) -> Draft:
+        """A proposal as a Draft, checked against what the cache was sized for."""
+        draft = Draft.of(proposal)
+        if draft.tree.size > self.tree_size or draft.extra_count > self.extra_rows:
+            raise ValueError(f"the {self.proposer.name} proposer drafted {draft.tree.size} nodes and "
+                             f"{draft.extra_count} extra rows; the cache holds at most {self.tree_size} and "
+                             f"{self.extra_rows} (the proposer's extra_rows)")
+        return draft
+
+    def _verify(self, draft: Draft, cache, sampling: SamplingParams, generator, hidden_layers):
+        """One target pass over the tree (and the draft's extra rows); accept; keep only the accepted path in the
+        cache."""
         target, device = self.target, self.target.device
+        tree = draft.tree
         prefix = cache.max_committed
         ancestors = tree.ancestor_mask()
         # A lone root sees the whole cache: no mask lets SDPA take its fastest kernel.
-        mask = verification_mask(ancestors, prefix) if tree.size > 1 else None
-        positions = tree.position_ids(prefix)
-        out = target.forward(tree.tokens[None], positions[None], cache, mask, hidden_layers=hidden_layers,
+        mask = verification_mask(draft.row_mask(ancestors), prefix) if draft.rows > 1 else None
+        positions = draft.position_ids(prefix)
+        out = target.forward(draft.tokens()[None], positions[None], cache, mask, hidden_layers=hidden_layers,
                              backend=self.attention, prefix_len=prefix)
-        logits = out.logits[0]
+        logits = out.logits[0, :tree.size]
         if sampling.greedy and self.acceptance == "exact":
             path, bonus = greedy_accept(tree.tokens, tree.parents, ancestors, logits.argmax(-1))
         else:

@@ -129,8 +129,86 @@ class Tree:
                     torch.tensor(parents, dtype=torch.long, device=device))
 
 
+@dataclass
+class Draft:
+    """What a proposer asks one verification pass to compute: a tree, and optionally extra rows after it.
+
+    Extra rows are tokens the proposer wants the target's logits for (lookahead decoding's Jacobi window); they are
+    never candidates. extra_tokens [E] long; extra_offsets [E] long: each row's position minus the root's (>= 1);
+    extra_mask [E, E] bool: which extra rows each extra row sees (itself always). Every extra row also sees the
+    committed context and the root (the last emitted token, committed but written to the cache in this pass), no
+    other tree node, and no tree node sees an extra row. So extra rows never change what a tree node computes:
+    acceptance and cache compaction read only the tree's nodes (the first ``tree.size`` rows of the pass), the extra
+    rows' cache entries are dropped with the rejected nodes', and the output is the same with or without them. Their
+    logits come back in the next ``ProposeInput.extra_logits``.
+    """
+
+    tree: Tree
+    extra_tokens: torch.Tensor | None = None
+    extra_offsets: torch.Tensor | None = None
+    extra_mask: torch.Tensor | None = None
+
+    def __post_init__(self):
+        given = [x is not None for x in (self.extra_tokens, self.extra_offsets, self.extra_mask)]
+        if any(given) and not all(given):
+            raise ValueError("a Draft's extra rows need extra_tokens, extra_offsets and extra_mask together")
+        if all(given):
+            rows = self.extra_tokens.shape[0]
+            if self.extra_offsets.shape != (rows,) or self.extra_mask.shape != (rows, rows):
+                raise ValueError(f"a Draft with {rows} extra tokens needs extra_offsets [{rows}] and extra_mask "
+                                 f"[{rows}, {rows}], got {list(self.extra_offsets.shape)} and "
+                                 f"{list(self.extra_mask.shape)}")
+
+    @property
+    def extra_count(self) -> int:
+        return 0 if self.extra_tokens is None else self.extra_tokens.shape[0]
+
+    @property
+    def rows(self) -> int:
+        """Rows of the verification pass: the tree's nodes, then the extra rows."""
+        return self.tree.size + self.extra_count
+
+    @staticmethod
+    def of(proposal: Tree | Draft) -> Draft:
+        """A proposer's answer as a Draft (a plain Tree asks for no extra rows)."""
+        return proposal if isinstance(proposal, Draft) else Draft(proposal)
+
+    def tokens(self) -> torch.Tensor:
+        """[N + E] long: the pass's input tokens."""
+        if not self.extra_count:
+            return self.tree.tokens
+        return torch.cat([self.tree.tokens, self.extra_tokens.to(self.tree.tokens.device)])
+
+    def position_ids(self, prefix_len: int) -> torch.Tensor:
+        """[N + E] long: the tree's positions (prefix_len + depth), then the extra rows' (prefix_len + offset)."""
+        positions = self.tree.position_ids(prefix_len)
+        if not self.extra_count:
+            return positions
+        return torch.cat([positions, self.extra_offsets.to(positions.device) + prefix_len])
+
+    def row_mask(self, ancestors: torch.Tensor | None = None) -> torch.Tensor:
+        """[N + E, N + E] bool: the pass's mask among its own rows (``ancestors``: the tree's ancestor mask, when
+        already computed)."""
+        ancestors = self.tree.ancestor_mask() if ancestors is None else ancestors
+        if not self.extra_count:
+            return ancestors
+        return draft_row_mask(ancestors, self.extra_mask.to(ancestors.device))
+
+
+def draft_row_mask(ancestors: torch.Tensor, extra_mask: torch.Tensor) -> torch.Tensor:
+    """[N + E, N + E] bool over a pass's own rows: the tree's ancestor mask [N, N] for the nodes, which see no extra
+    row; ``extra_mask`` [E, E] for the extra rows, which also see the root (row 0) and no other node."""
+    n, e = ancestors.shape[0], extra_mask.shape[0]
+    mask = torch.zeros(n + e, n + e, dtype=torch.bool, device=ancestors.device)
+    mask[:n, :n] = ancestors
+    mask[n:, 0] = True
+    mask[n:, n:] = extra_mask
+    return mask
+
+
 def verification_mask(tree_mask: torch.Tensor, prefix_len: int) -> torch.Tensor:
-    """[1, 1, N, prefix_len + N] bool: every node sees the whole prefix, then its ancestors and itself."""
+    """[1, 1, N, prefix_len + N] bool: every row sees the whole prefix, then what ``tree_mask`` [N, N] lets it see
+    among the pass's rows (a tree's ancestor mask: its ancestors and itself; ``Draft.row_mask`` with extra rows)."""
     n = tree_mask.shape[0]
     prefix = torch.ones(n, prefix_len, dtype=torch.bool, device=tree_mask.device)
     return torch.cat([prefix, tree_mask], dim=1)[None, None]

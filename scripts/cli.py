@@ -2,9 +2,12 @@
 
 Proposers (``--proposer``, and ``--methods`` of the benchmark): ``none``, ``ngram``, ``draft`` (with
 ``--draft-model``), a head ``medusa`` / ``eagle`` / ``eagle3``, ``HEAD+ngram`` (prompt lookup first), and
-``HEAD:DIR`` / ``HEAD+ngram:DIR`` for a head directory -> ``runtime.proposers.ProposerSpec``.
+``HEAD:DIR`` / ``HEAD+ngram:DIR`` for a head directory, ``lookahead`` / ``lookahead+ngram`` (prompt lookup's
+continuations join the pool), with ``:W,N,G`` for its sizes -> ``runtime.proposers.ProposerSpec``.
 
-Benchmark methods (``--methods``): a proposer as above, optionally ``@N`` (its verified tree size); ``hf-greedy``,
+Benchmark methods (``--methods``): a proposer as above, optionally ``@N`` (its verified tree size); the peer
+decoders ``economize-eagle3[:DIR]``, ``economize-medusa[:DIR]``, ``flashspec-ngram`` (``runtime.peers``; ``@N``:
+tokens per target forward); ``hf-greedy``,
 ``hf-pld`` (either with ``-bf16`` / ``-fp32``: on a copy of the target in that dtype), ``hf-assisted`` (with
 ``--draft-model``), ``hf-early-exit[:N]`` -> ``runtime.benchmark.HFBaseline`` / ``DecoderMethod``.
 
@@ -22,11 +25,13 @@ import math
 from pathlib import Path
 
 from runtime.benchmark import DecoderMethod, HFBaseline, Method
+from runtime.peers import PEER_METHODS, PeerMethod, missing_package
 from runtime.proposers import NoShippedHead, Proposer, build_proposer
-from runtime.proposers.spec import HEAD_PROPOSERS, PROPOSER_NAMES, ProposerSpec
+from runtime.proposers.spec import HEAD_PROPOSERS, LOOKUP_PROPOSERS, PROPOSER_NAMES, LookaheadSettings, ProposerSpec
 
 LOOKUP_FIRST = "+ngram"  # "eagle3+ngram": prompt lookup where it finds a match, the head elsewhere
-PROPOSER_CHOICES = (*PROPOSER_NAMES, *(name + LOOKUP_FIRST for name in HEAD_PROPOSERS))
+PROPOSER_CHOICES = (*PROPOSER_NAMES, *(name + LOOKUP_FIRST for name in LOOKUP_PROPOSERS))
+LOOKAHEAD = "lookahead"  # "lookahead:W,N,G": window W, n-grams of N tokens, at most G candidates
 HF_DTYPE_SUFFIXES = {"-bf16": "bfloat16", "-fp32": "float32"}  # hf-greedy-bf16: HF greedy on a bf16 copy
 EARLY_EXIT = "hf-early-exit"
 HF_NAMES = ("hf-greedy", "hf-pld", "hf-assisted", EARLY_EXIT)
@@ -99,12 +104,33 @@ def read_prompts_or_exit(path: str | None, limit: int | None = None, flag: str =
     return prompts
 
 
+def parse_lookahead(text: str, *, head: str | None = None, flag: str = "--proposer") -> ProposerSpec:
+    """``lookahead``, ``lookahead+ngram``, either with ``:W,N,G`` (e.g. ``lookahead+ngram:8,3,8``; without it the
+    sizes come from the target's cost curve) as a ProposerSpec."""
+    name, colon, given = text.partition(":")
+    if head is not None:
+        raise usage_error(flag, f"{name} drafts without a head; drop --head")
+    settings = None
+    if colon:
+        parts = given.split(",")
+        if len(parts) != 3 or not all(part.strip().isdigit() for part in parts):
+            raise usage_error(flag, f"{text!r}: give lookahead's sizes as {name}:W,N,G (window, n-gram size, "
+                                    f"candidates; integers), e.g. {name}:8,3,8")
+        try:
+            settings = LookaheadSettings(*(int(part) for part in parts))
+        except ValueError as error:
+            raise usage_error(flag, f"{text!r}: {error}") from None
+    return ProposerSpec(LOOKAHEAD, lookup_first=name.endswith(LOOKUP_FIRST), lookahead=settings)
+
+
 def parse_proposer(text: str, *, head: str | None = None, draft_model: str | None = None,
                    flag: str = "--proposer") -> ProposerSpec:
-    """``eagle3``, ``eagle3+ngram``, ``eagle3:DIR``, ``eagle3+ngram:DIR``, ``ngram``, ``draft`` ... as a
-    ProposerSpec; ``head`` is the ``--head`` flag's directory, ``draft_model`` the ``--draft-model`` flag's model
-    (used by ``draft`` only)."""
+    """``eagle3``, ``eagle3+ngram``, ``eagle3:DIR``, ``eagle3+ngram:DIR``, ``ngram``, ``draft``,
+    ``lookahead+ngram:W,N,G`` ... as a ProposerSpec; ``head`` is the ``--head`` flag's directory, ``draft_model`` the
+    ``--draft-model`` flag's model (used by ``draft`` only)."""
     name, colon, directory = text.partition(":")
+    if name in (LOOKAHEAD, LOOKAHEAD + LOOKUP_FIRST):
+        return parse_lookahead(text, head=head, flag=flag)
     if colon and not directory:
         raise usage_error(flag, f"{text!r} names no head directory after ':'")
     if colon and head is not None and directory != head:
@@ -159,6 +185,9 @@ def parse_method(text: str, *, draft_model: str | None = None, flag: str = "--me
         return HFBaseline("hf-assisted", draft_model=draft_model)
     if text in HF_NAMES:
         return HFBaseline(text)
+    peer = parse_peer(text, flag)
+    if peer is not None:
+        return peer
     if text.startswith("hf-"):
         raise usage_error(flag, f"unknown HF baseline {text!r}; choose one of hf-greedy, hf-pld (either with -bf16 or "
                                 "-fp32), hf-assisted, hf-early-exit[:N]")
@@ -171,9 +200,33 @@ def parse_method(text: str, *, draft_model: str | None = None, flag: str = "--me
     return DecoderMethod(spec, tree_size=int(size) if size else None)
 
 
+def parse_peer(text: str, flag: str = "--methods") -> PeerMethod | None:
+    """``economize-eagle3``, ``economize-medusa`` (either with ``:DIR`` for a head directory), ``flashspec-ngram``,
+    each optionally ``@N`` (tokens per target forward), as a PeerMethod; None for any other method name. A peer whose
+    package is missing is an error naming the extra to install."""
+    spec, at, size = text.rpartition("@") if "@" in text else (text, "", "")
+    name, colon, directory = spec.partition(":")
+    if name not in PEER_METHODS:
+        return None
+    if at and not (size.isdigit() and int(size) >= 2):
+        raise usage_error(flag, f"{text}: the tokens per cycle after '@' must be an integer of 2 or more")
+    if colon and (not directory or PEER_METHODS[name][1] is None):
+        raise usage_error(flag, f"{text}: {name} takes no head directory" if directory else
+                                f"{text!r} names no head directory after ':'")
+    problem = missing_package(name)
+    if problem:
+        raise usage_error(flag, problem)
+    return PeerMethod(name, head=directory or None, tokens_per_cycle=int(size) if at else None)
+
+
 def parse_methods(text: str, *, draft_model: str | None = None, flag: str = "--methods") -> dict[str, Method]:
     """A comma-separated list of benchmark methods: {name as given: method}."""
-    names = [name.strip() for name in text.split(",")]
+    names: list[str] = []
+    for part in (part.strip() for part in text.split(",")):
+        if names and part[:1].isdigit():  # no method starts with a digit: lookahead:W,N,G goes on
+            names[-1] += "," + part
+        else:
+            names.append(part)
     if not all(names):
         raise usage_error(flag, f"{text!r} has an empty method name")
     if len(set(names)) != len(names):

@@ -18,7 +18,7 @@ from runtime.tree import Tree, verification_mask
 from tests import test_sampling_distribution as sampling
 from tests.conftest import tiny_model
 from tests.proposers_for_tests import BadProposer
-from tests.test_greedy_equality import proposers
+from tests.test_greedy_equality import lookahead_proposers, proposers
 from tests.test_head_proposers import head_proposers
 
 VOCAB = 64
@@ -56,15 +56,35 @@ def test_every_proposer_matches_hf_greedy_at_every_batch_size(arch):
     meets all four over the three architectures): below 8 rows, later prompts join as earlier ones finish."""
     target = target_for(arch)
     references = [hf_greedy(arch, prompt) for prompt in PROMPTS]
-    candidates = {**proposers(target, arch), **head_proposers(target)}
+    candidates = {**proposers(target, arch), **head_proposers(target), **lookahead_proposers()}
     shift = ["llama", "qwen2", "gemma"].index(arch)
     for number, (name, proposer) in enumerate(candidates.items()):
         decoder = BatchedDecoder(target, proposer, tree_size=8, attention="sdpa")
         first = (number + shift) % 4
         for batch_size in (BATCH_SIZES[first], BATCH_SIZES[(first + 2) % 4]):
             check_rows(decoder, references, batch_size, f"{arch}/{name}")
-        if name in ("self-draft", "ngram"):
+        if name in ("self-draft", "ngram", "lookahead+ngram"):
             assert decoder.stats.tau > 1.0, f"{name} never got a draft accepted"
+
+
+def test_lookahead_rows_match_hf_greedy_with_their_own_tree_size():
+    """Each row's window rides beside its tree (a different number of nodes per row, padded to the longest); the
+    proposer's own tree size holds at every batch size."""
+    target = target_for("llama")
+    references = [hf_greedy("llama", prompt) for prompt in PROMPTS]
+    for name, proposer in lookahead_proposers().items():
+        decoder = BatchedDecoder(target, proposer)
+        for batch_size in (3, 8):
+            check_rows(decoder, references, batch_size, f"{name}/own size")
+            assert decoder.tree_size == proposer.tree_size and "own size" in decoder.tree_size_reason
+    # sampling: each row draws what it draws decoded alone with its seed
+    proposer = lookahead_proposers()["lookahead+ngram"]
+    seeds = list(range(len(PROMPTS)))
+    alone = [SpeculativeDecoder(target, proposer).generate(prompt, NEW_TOKENS, temperature=1.0, seed=seed).tokens
+             for prompt, seed in zip(PROMPTS, seeds)]
+    results = BatchedDecoder(target, proposer).generate(PROMPTS, NEW_TOKENS, temperature=1.0, seeds=seeds,
+                                                         batch_size=3)
+    assert [result.tokens for result in results] == alone
 
 
 @pytest.mark.parametrize("name", ["none", "draft-tree", "eagle3"])
@@ -83,7 +103,8 @@ def test_sliding_window_rows_match_hf_greedy(arch):
     target = target_for(arch)
     references = [hf_greedy(arch, prompt) for prompt in PROMPTS]
     candidates = {**proposers(target, arch), **head_proposers(target)}
-    names = list(candidates) if arch == "mistral" else ["none", "ngram", "self-draft", "eagle3"]
+    candidates["lookahead+ngram"] = lookahead_proposers()["lookahead+ngram"]
+    names = list(candidates) if arch == "mistral" else ["none", "ngram", "self-draft", "eagle3", "lookahead+ngram"]
     for name in names:
         check_rows(BatchedDecoder(target, candidates[name], tree_size=8), references, 3, f"{arch}/{name}")
     for name in ("none", "self-draft", "eagle3"):
@@ -288,7 +309,9 @@ def batched_p_value(proposer, params: SamplingParams, tree_size: int = 4, batch_
 @pytest.mark.parametrize("name,params,batch_size", [
     ("none", SamplingParams(temperature=1.0), 64),
     ("draft-chain-sampled", SamplingParams(temperature=1.0), 64),
-    ("random", SamplingParams(1.3, top_k=3), 16)], ids=["none-T1", "draft-chain-T1", "random-T1.3-top_k3"])
+    ("random", SamplingParams(1.3, top_k=3), 16),
+    ("lookahead+ngram", SamplingParams(temperature=1.0), 16)],
+    ids=["none-T1", "draft-chain-T1", "random-T1.3-top_k3", "lookahead+ngram-T1"])
 def test_batched_sampling_matches_the_target_distribution(name, params, batch_size):
     assert batched_p_value(sampling.PROPOSERS[name], params, batch_size=batch_size) > 1e-3
 

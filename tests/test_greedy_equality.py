@@ -5,7 +5,9 @@ import torch
 
 from runtime.decoder import SpeculativeDecoder
 from runtime.proposers.draft_model import DraftModelProposer
+from runtime.proposers.lookahead import LookaheadProposer
 from runtime.proposers.ngram import NgramProposer
+from runtime.proposers.spec import LookaheadSettings
 from runtime.target import target_from_model
 from tests.conftest import tiny_model
 from tests.proposers_for_tests import BadProposer, RandomProposer
@@ -46,6 +48,39 @@ def test_every_proposer_matches_hf_greedy(arch):
                 assert result.tokens == reference, f"{arch}/{name}/T={tree_size}/{attention}: output differs"
                 assert sum(result.accept_lengths) + 1 == NEW_TOKENS or result.stop_reason == "stop"
                 assert result.target_forwards == len(result.accept_lengths) + 1
+
+
+def lookahead_proposers():
+    """Lookahead, alone and with prompt lookup; windows of one column and of several, n-grams of 3 and 4 tokens."""
+    return {
+        "lookahead": LookaheadProposer(LookaheadSettings(4, 3, 4)),
+        "lookahead-narrow": LookaheadProposer(LookaheadSettings(1, 4, 2)),
+        "lookahead+ngram": LookaheadProposer(LookaheadSettings(3, 4, 3), NgramProposer()),
+    }
+
+
+def test_lookahead_matches_hf_greedy(arch):
+    """The window's rows ride in every pass and never change the output: as plain greedy decoding, with the
+    proposer's own tree size and with fixed ones (1: the window alone beside the root)."""
+    target = target_from_model(tiny_model(arch, seed=0, vocab_size=VOCAB), identity="tiny")
+    references = [hf_greedy(arch, prompt, NEW_TOKENS) for prompt in PROMPTS]
+    for name, proposer in lookahead_proposers().items():
+        for tree_size, attention in ((None, "sdpa"), (1, "sdpa"), (8, "cascade")):
+            decoder = SpeculativeDecoder(target, proposer, tree_size=tree_size, attention=attention)
+            for prompt, reference in zip(PROMPTS, references):
+                result = decoder.generate(prompt, NEW_TOKENS)
+                assert result.tokens == reference, f"{arch}/{name}/T={tree_size}/{attention}: output differs"
+                assert result.target_forwards == len(result.accept_lengths) + 1
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2-sliding", "gemma2"])
+def test_lookahead_with_sliding_windows_matches_hf_greedy(arch):
+    """The window's rows stand at their own positions, which the sliding-window mask must follow."""
+    target = target_from_model(tiny_model(arch, seed=0, vocab_size=VOCAB), identity="tiny")
+    for prompt in PROMPTS:
+        reference = hf_greedy(arch, prompt, NEW_TOKENS)
+        for proposer in lookahead_proposers().values():
+            assert SpeculativeDecoder(target, proposer).generate(prompt, NEW_TOKENS).tokens == reference
 
 
 def test_self_draft_accepts_whole_chains():

@@ -12,7 +12,9 @@ import runtime.decoder
 from runtime.acceptance import rejection_accept
 from runtime.decoder import SpeculativeDecoder
 from runtime.proposers.draft_model import DraftModelProposer
+from runtime.proposers.lookahead import LookaheadProposer
 from runtime.proposers.ngram import NgramProposer
+from runtime.proposers.spec import LookaheadSettings
 from runtime.sampling import SamplingParams, processed_probs
 from runtime.target import target_from_model
 from tests.conftest import tiny_model
@@ -75,6 +77,9 @@ PROPOSERS = {
     "draft-tree": lambda target: draft(target, "tree"),
     "draft-chain-sampled": lambda target: draft(target, "chain"),
     "random": lambda target: RandomProposer(VOCAB, seed=3),
+    # the window's guesses are the target's argmax even when sampling; its trie goes through the exact acceptance
+    "lookahead": lambda target: LookaheadProposer(LookaheadSettings(3, 3, 3)),
+    "lookahead+ngram": lambda target: LookaheadProposer(LookaheadSettings(2, 3, 2), NgramProposer(max_ngram=2)),
 }
 
 
@@ -84,8 +89,9 @@ def test_distribution_matches_target(name):
 
 
 @pytest.mark.parametrize("name,params", [("draft-chain-sampled", SamplingParams(0.7, top_p=0.8)),
-                                         ("random", SamplingParams(1.3, top_k=3))],
-                         ids=["draft-chain-T0.7-top_p0.8", "random-T1.3-top_k3"])
+                                         ("random", SamplingParams(1.3, top_k=3)),
+                                         ("lookahead", SamplingParams(0.7, top_k=3))],
+                         ids=["draft-chain-T0.7-top_p0.8", "random-T1.3-top_k3", "lookahead-T0.7-top_k3"])
 def test_distribution_with_truncation(name, params):
     assert empirical_p_value(PROPOSERS[name], params) > 1e-3
 

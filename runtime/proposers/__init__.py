@@ -5,7 +5,7 @@ from __future__ import annotations
 from runtime.proposers.base import NoProposer, Proposer, ProposeInput
 from runtime.proposers.draft_model import DraftModelProposer
 from runtime.proposers.ngram import NgramProposer
-from runtime.proposers.spec import HEAD_PROPOSERS, PROPOSER_NAMES, ProposerSpec
+from runtime.proposers.spec import HEAD_PROPOSERS, LOOKUP_PROPOSERS, PROPOSER_NAMES, LookaheadSettings, ProposerSpec
 
 
 class NoShippedHead(ValueError):
@@ -19,7 +19,8 @@ class NoShippedHead(ValueError):
 
 
 def load_head_proposer(head_type: str, head_dir: str, target) -> Proposer:
-    """A trained head from ``head_dir`` (the OUTPUT_DIR/head of a training run), checked against the target.
+    """A trained head from ``head_dir`` (the OUTPUT_DIR/head of a training run, an export of ours, or a published
+    head in a layout ``heads.formats.load_any_head`` reads), checked against the target.
 
     Tree defaults come from the head's config: ``depth`` and ``top_k`` for EAGLE, optionally ``size`` (the verified
     tree size measured best by scripts/tune_tree.py, used for targets in the dtype it was measured in, ``size_dtype``)
@@ -30,16 +31,20 @@ def load_head_proposer(head_type: str, head_dir: str, target) -> Proposer:
     A Medusa-2 head (trained with LoRA adapters on its target) loads only for a target with those adapters merged
     in (``scripts/export.py --merged-target``).
     """
-    from heads.io import load_head, read_head_config
+    from heads.formats import detect_layout, load_any_head
+    from heads.io import read_head_config
     from runtime.decode_layers import use_decode_layers
 
-    config = read_head_config(head_dir)
-    if config["head_type"] != head_type:
-        raise ValueError(f"{head_dir} holds a {config['head_type']} head, not {head_type} (head_type); load it as "
-                         f"{config['head_type']}")
-    check_target_adapters(head_dir, config, target)
-    head = load_head(head_dir, target.model, identity=target.identity, tokenizer=target.tokenizer,
-                     device=target.device, dtype=target.dtype)
+    layout, saved_type = detect_layout(head_dir)
+    if layout == "headstart":
+        saved_type = read_head_config(head_dir)["head_type"]  # checks the whole config first
+    if saved_type != head_type:
+        raise ValueError(f"{head_dir} holds a {saved_type} head, not {head_type} ({layout} layout); load it as "
+                         f"{saved_type}")
+    if layout == "headstart":
+        check_target_adapters(head_dir, read_head_config(head_dir), target)
+    head, config = load_any_head(head_dir, target.model, identity=target.identity, tokenizer=target.tokenizer,
+                                 device=target.device, dtype=target.dtype)
     use_decode_layers(head)  # drafting runs a few rows at a time, like the target's decode steps; the head is ours
     tree = config.get("tree", {})
     accuracy = tree.get("acceptance")
@@ -115,6 +120,10 @@ def build_proposer(spec: ProposerSpec, target, dtype=None) -> Proposer:
     'draft'``; default: the target's)."""
     if not isinstance(spec, ProposerSpec):
         raise TypeError(f"build_proposer takes a ProposerSpec, not {type(spec).__name__} ({spec!r})")
+    if spec.name == "lookahead":  # lookup's continuations join the pool's candidates: no lookup-first wrapper
+        from runtime.proposers.lookahead import LookaheadProposer
+
+        return LookaheadProposer.for_target(target, spec.lookahead, NgramProposer() if spec.lookup_first else None)
     if spec.lookup_first:
         from runtime.proposers.lookup_first import LookupFirstProposer
 
@@ -133,5 +142,5 @@ def build_proposer(spec: ProposerSpec, target, dtype=None) -> Proposer:
 
 
 __all__ = ["NoProposer", "Proposer", "ProposeInput", "DraftModelProposer", "NgramProposer", "ProposerSpec",
-           "build_proposer", "PROPOSER_NAMES", "HEAD_PROPOSERS", "NoShippedHead", "load_head_proposer",
-           "default_head", "check_target_adapters"]
+           "LookaheadSettings", "build_proposer", "PROPOSER_NAMES", "HEAD_PROPOSERS", "LOOKUP_PROPOSERS",
+           "NoShippedHead", "load_head_proposer", "default_head", "check_target_adapters"]

@@ -2,6 +2,11 @@
 
 A proposer object holds configuration only. Everything that belongs to one generation (a draft cache, the
 position up to which features were consumed) lives in the state object returned by ``start`` and passed back in.
+
+A proposal is a ``Tree``, or a ``Draft``: a tree plus extra rows the verification pass computes after the tree's
+nodes, whose logits come back in the next ``ProposeInput`` (lookahead decoding's Jacobi window rides in the pass
+this way). A proposer that asks for extra rows says how many it may ask for at most (``extra_rows``), so that
+buffers are sized for them; other proposers need not define it.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from runtime.sampling import SamplingParams
-from runtime.tree import Tree
+from runtime.tree import Draft, Tree
 
 
 @dataclass
@@ -23,6 +28,8 @@ class ProposeInput:
     new_hidden [A, H] or None: target hidden states (after the final norm) of the positions verified since the
     previous proposal, i.e. of history[L - 1 - A : L - 1]; new_layer_hidden: the same for requested layers.
     tree_size: the largest tree (nodes, root included) the verifier wants.
+    extra_logits [E, V] or None: the target's logits at the extra rows of the previous proposal's ``Draft``, in its
+    order (None when it asked for none, and before the first verification).
     """
 
     history: torch.Tensor
@@ -31,6 +38,7 @@ class ProposeInput:
     tree_size: int
     sampling: SamplingParams
     generator: torch.Generator | None
+    extra_logits: torch.Tensor | None = None
 
 
 class Proposer(Protocol):
@@ -43,8 +51,21 @@ class Proposer(Protocol):
     def start(self, prompt: torch.Tensor, max_length: int) -> Any:
         """Per-generation state for a prompt [P] and a total length bound."""
 
-    def propose(self, state: Any, step: ProposeInput) -> Tree:
-        """A tree rooted at step.history[-1], at most step.tree_size nodes."""
+    def propose(self, state: Any, step: ProposeInput) -> Tree | Draft:
+        """A tree rooted at step.history[-1], at most step.tree_size nodes (with at most ``extra_rows`` extra rows,
+        a Draft)."""
+
+
+def extra_rows(proposer) -> int:
+    """The most extra rows ``proposer`` asks a verification pass for (its ``extra_rows``; 0 when it has none)."""
+    return int(getattr(proposer, "extra_rows", 0))
+
+
+def sizes_own_tree(proposer) -> bool:
+    """Whether ``proposer`` verifies trees of its own ``tree_size`` at every step (``own_tree_size``). Adaptive
+    sizing models a tree of n nodes as a chain n - 1 deep; a proposer whose gain comes from width (lookahead's
+    candidates side by side) would be shrunk to a single chain by it."""
+    return bool(getattr(proposer, "own_tree_size", False)) and proposer.tree_size is not None
 
 
 class NoProposer:

@@ -9,7 +9,42 @@ import os
 from dataclasses import dataclass
 
 HEAD_PROPOSERS = ("medusa", "eagle", "eagle3")  # proposers that draft with a trained head
-PROPOSER_NAMES = ("none", "ngram", "draft", *HEAD_PROPOSERS)
+PROPOSER_NAMES = ("none", "ngram", "draft", "lookahead", *HEAD_PROPOSERS)
+LOOKUP_PROPOSERS = (*HEAD_PROPOSERS, "lookahead")  # proposers that take prompt lookup beside them (lookup_first)
+
+
+@dataclass(frozen=True)
+class LookaheadSettings:
+    """Lookahead decoding's sizes: ``window`` (W) future positions the Jacobi window guesses, n-grams of ``ngram``
+    (N) tokens (the window keeps N - 1 levels of guesses; N >= 3), and at most ``candidates`` (G) n-grams verified
+    per step, also the most the pool keeps per first token. A pass carries (N - 1) W - 1 window rows and a tree of at
+    most 1 + G (N - 1) nodes."""
+
+    window: int
+    ngram: int
+    candidates: int
+
+    def __post_init__(self):
+        for name in ("window", "ngram", "candidates"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LookaheadSettings.{name} must be a positive integer, got {value!r}")
+        if self.ngram < 3:
+            raise ValueError(f"LookaheadSettings.ngram must be >= 3 (the window keeps N - 1 >= 2 levels: the oldest "
+                             f"starts each n-gram, the newest is guessed from the ones below), got {self.ngram}")
+
+    @property
+    def window_rows(self) -> int:
+        """Extra rows a pass carries for the window: level 0 is the root and W - 1 guesses, each other level W."""
+        return (self.ngram - 1) * self.window - 1
+
+    @property
+    def tree_size(self) -> int:
+        """The most tree nodes G candidates of N - 1 tokens take (a trie shares their common prefixes)."""
+        return 1 + self.candidates * (self.ngram - 1)
+
+    def __str__(self) -> str:
+        return f"W={self.window}, N={self.ngram}, G={self.candidates}"
 
 
 @dataclass(frozen=True)
@@ -18,15 +53,19 @@ class ProposerSpec:
 
     ``name``: ``none`` (plain decoding), ``ngram`` (prompt lookup), ``draft`` (a smaller model with the target's
     tokenizer, ``draft_model``: an HF id, directory, .gguf or alias), or a head proposer ``medusa`` / ``eagle`` /
-    ``eagle3``. ``head``: the head directory (the OUTPUT_DIR/head of a training run) for a head proposer; None: the
-    head shipped for the target (heads/shipped). ``lookup_first``: a head proposer drafts by prompt lookup where
-    lookup finds a match and by the head elsewhere.
+    ``eagle3``, or ``lookahead`` (lookahead decoding: the target's own Jacobi guesses, no draft model). ``head``: the
+    head directory (the OUTPUT_DIR/head of a training run) for a head proposer; None: the head shipped for the
+    target (heads/shipped). ``lookup_first``: a head proposer drafts by prompt lookup where lookup finds a match and
+    by the head elsewhere; for lookahead, prompt lookup's continuations join the n-gram pool's candidates.
+    ``lookahead``: lookahead's sizes (``LookaheadSettings``, or (W, N, G)); None: chosen from the target's measured
+    cost curve.
     """
 
     name: str
     head: str | None = None
     lookup_first: bool = False
     draft_model: str | None = None
+    lookahead: LookaheadSettings | None = None
 
     def __post_init__(self):
         if self.name not in PROPOSER_NAMES:
@@ -37,9 +76,23 @@ class ProposerSpec:
         if self.head is not None and self.name not in HEAD_PROPOSERS:
             raise ValueError(f"ProposerSpec.head is a head directory for the head proposers "
                              f"({', '.join(HEAD_PROPOSERS)}), not for {self.name!r}")
-        if self.lookup_first and self.name not in HEAD_PROPOSERS:
-            raise ValueError(f"ProposerSpec.lookup_first puts prompt lookup in front of a head proposer "
-                             f"({', '.join(HEAD_PROPOSERS)}), not of {self.name!r}")
+        if self.lookup_first and self.name not in LOOKUP_PROPOSERS:
+            raise ValueError(f"ProposerSpec.lookup_first adds prompt lookup to a head proposer "
+                             f"({', '.join(HEAD_PROPOSERS)}) or to lookahead, not to {self.name!r}")
+        if self.lookahead is not None:
+            if self.name != "lookahead":
+                raise ValueError(f"ProposerSpec.lookahead holds lookahead's sizes, for name='lookahead', not "
+                                 f"{self.name!r}")
+            if isinstance(self.lookahead, dict):  # a spec read back from JSON (dataclasses.asdict)
+                object.__setattr__(self, "lookahead", LookaheadSettings(**self.lookahead))
+            elif isinstance(self.lookahead, (tuple, list)):
+                if len(self.lookahead) != 3:
+                    raise ValueError(f"ProposerSpec.lookahead: give (window, ngram, candidates), got "
+                                     f"{self.lookahead!r}")
+                object.__setattr__(self, "lookahead", LookaheadSettings(*self.lookahead))
+            elif not isinstance(self.lookahead, LookaheadSettings):
+                raise TypeError(f"ProposerSpec.lookahead must be LookaheadSettings or (window, ngram, candidates), "
+                                f"got {self.lookahead!r}")
         if self.name == "draft" and not self.draft_model:
             raise ValueError("ProposerSpec.draft_model is required for name='draft' (a smaller model with the "
                              "target's tokenizer: an HF id, directory, .gguf or alias)")

@@ -1,0 +1,238 @@
+"""Lookahead decoding (Fu et al., 2024) as a proposer: speculation from the target's own guesses, no draft model.
+
+Every verification pass also carries a Jacobi window: guesses for the W positions after the root at N - 1 levels,
+level 0 the oldest. Reading the target's argmax at the newest level gives a new guess per column, one Jacobi
+iteration further; the window then drops level 0 and takes the new guesses on top. Each column's guesses, read
+across the levels, form an n-gram (a token, then N - 1 guesses of what follows it), which goes into a pool keyed by
+its first token. The pool's n-grams that start with the root are the candidates the pass verifies, as a trie.
+
+The window rides in the pass as ``Draft`` extra rows that no tree node sees, so it never changes what the tree's
+nodes compute: the output is the target's (greedy or by the exact sampling acceptance). Its guesses are the
+target's argmax even when sampling, so the candidates are deterministic functions of the history.
+
+Layout. Level 0's column 0 is the root itself (the last emitted token, a tree node), so level 0 adds W - 1 rows and
+each other level W: (N - 1) W - 1 rows in the order level 0 columns 1 .. W - 1, level 1 columns 0 .. W - 1, ...
+The guess at level l, column j stands at position root + j + l and sees what a sequence would: the root, level 0's
+columns 1 .. j, then its own column's guesses at levels 1 .. l. After each pass the window moves one position
+forward whatever was accepted (as the reference implementation does by default): its guesses are only a source of
+n-grams, and a window kept aligned to the accepted text would have to be refilled at every long acceptance.
+
+``lookahead+ngram``: prompt lookup's continuations (runtime/proposers/ngram.py) go into the trie first, the pool's
+after them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from runtime.proposers.base import ProposeInput
+from runtime.proposers.ngram import NgramProposer, find_continuations
+from runtime.proposers.spec import LookaheadSettings
+from runtime.tree import Draft, Tree
+
+# A prior for choosing W, N and G from the cost curve: a pass gets its first candidate token accepted with
+# probability HIT_SCALE * log2(1 + G) (the reference finds the gain growing with the log of the pass's size), and
+# each later token of the n-gram with probability CONTINUE given the earlier ones. Fitted to SmolLM2-135M-Instruct on
+# MT-bench first turns (tokens per pass 1.32, 1.40, 1.49 at N = 3, G = W = 4, 8, 12; 1.43 at N = 4, G = W = 6).
+HIT_SCALE = 0.088
+CONTINUE = 0.5
+NGRAM_SIZES = (3, 4, 5)
+PRIOR_ACCEPTANCE = 0.3
+MAX_WINDOW = 16
+
+
+def window_offsets(window: int, ngram: int) -> torch.Tensor:
+    """[E] long, E = (N - 1) W - 1: each window row's position minus the root's (level l, column j: j + l), rows in
+    window order (level 0 columns 1 .. W - 1, then each further level's columns 0 .. W - 1)."""
+    levels = torch.arange(ngram - 1)[:, None]
+    columns = torch.arange(window)[None, :]
+    return (levels + columns).flatten()[1:]
+
+
+def window_mask(window: int, ngram: int) -> torch.Tensor:
+    """[E, E] bool: which window rows each window row sees (besides the committed context and the root, which every
+    window row sees). The row at level l, column j sees level 0's columns 1 .. j and column j's levels 1 .. l: the
+    guesses for positions root + 1 .. root + j + l, a sequence."""
+    levels = torch.arange(ngram - 1).repeat_interleave(window)[1:]  # [E]
+    columns = torch.arange(window).repeat(ngram - 1)[1:]
+    same_column = (columns[:, None] == columns[None, :]) & (levels[None, :] >= 1) & (levels[None, :] <= levels[:, None])
+    first_level = (levels[None, :] == 0) & (columns[None, :] <= columns[:, None])
+    return same_column | first_level
+
+
+def window_tokens(levels: torch.Tensor) -> torch.Tensor:
+    """[E] long: the window rows' tokens, from levels [N - 1, W] (level 0's column 0, where the root stands, left
+    out)."""
+    return levels.flatten()[1:]
+
+
+def jacobi_update(levels: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """levels [N - 1, W] and the newest level's argmax new [W] -> the next window [N - 1, W]: level 0 dropped, the
+    others one level down, ``new`` on top. Level l, column j moves to level l - 1 at the same column, which stands
+    one position earlier: the window moves one position forward."""
+    return torch.cat([levels[1:], new[None]])
+
+
+def window_ngrams(levels: torch.Tensor, root: int, new: torch.Tensor) -> torch.Tensor:
+    """[W, N] long: column j's n-gram, levels[0, j] (the root for column 0), levels[1 .. N - 2, j], new[j].
+    levels [N - 1, W] is the window the pass verified, new [W] the argmax at its newest level."""
+    grams = torch.cat([levels, new[None]]).T.clone()
+    grams[0, 0] = root
+    return grams
+
+
+class NgramPool:
+    """N-grams by first token: for each, up to ``capacity`` continuations (tuples of N - 1 tokens), least recently
+    seen dropped first."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"NgramPool capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.grams: dict[int, list[tuple[int, ...]]] = {}
+
+    def add(self, ngrams: torch.Tensor) -> None:
+        """ngrams [K, N] long, in order (a later row counts as seen later)."""
+        for first, *rest in ngrams.tolist():
+            continuation = tuple(rest)
+            known = self.grams.setdefault(first, [])
+            if continuation in known:
+                known.remove(continuation)
+            elif len(known) >= self.capacity:
+                del known[0]
+            known.append(continuation)
+
+    def candidates(self, token: int) -> list[tuple[int, ...]]:
+        """The continuations of ``token``, most recently seen first."""
+        return self.grams.get(token, [])[::-1]
+
+    def __len__(self) -> int:
+        return sum(len(known) for known in self.grams.values())
+
+
+def candidate_tree(root: int, sequences: list, max_nodes: int, device=None) -> Tree:
+    """The trie of candidate continuations of ``root`` (earlier sequences get nodes first, common prefixes are
+    shared), at most ``max_nodes`` nodes with the root."""
+    return Tree.from_sequences(root, sequences, max_nodes, device=device)
+
+
+def expected_tokens(settings: LookaheadSettings, scale: float = HIT_SCALE, keep: float = CONTINUE) -> float:
+    """Tokens a pass emits under the prior (bonus included): a candidate's first token right with probability
+    ``scale`` log2(1 + G), each further token of its n-gram with probability ``keep``."""
+    first = min(1.0, scale * math.log2(1 + settings.candidates))
+    return 1 + first * sum(keep ** k for k in range(settings.ngram - 1))
+
+
+def pass_rows(settings: LookaheadSettings) -> int:
+    """Rows of a pass with a full tree: its nodes and the window's rows."""
+    return settings.tree_size + settings.window_rows
+
+
+def interpolated_cost(curve: dict[int, float], rows: int) -> float:
+    """A pass of ``rows`` rows relative to one row: linear between the measured sizes, proportional past the
+    largest."""
+    sizes = sorted(curve)
+    below = max((s for s in sizes if s <= rows), default=sizes[0])
+    above = [s for s in sizes if s >= rows]
+    if not above:
+        return curve[below] * rows / below
+    upper = min(above)
+    if upper == below:
+        return curve[below]
+    weight = (rows - below) / (upper - below)
+    return curve[below] * (1 - weight) + curve[upper] * weight
+
+
+def choose_settings(curve: dict[int, float]) -> tuple[LookaheadSettings, str]:
+    """(settings, why): the W, N and G (G = W, as the reference does) with the most expected tokens per unit of pass
+    cost on ``curve`` ({rows: cost relative to one row}, ``runtime.cost_model.cost_curve``), among passes no larger
+    than the largest measured one."""
+    largest = max(curve)
+    options = [LookaheadSettings(w, n, w) for n in NGRAM_SIZES for w in range(1, MAX_WINDOW + 1)]
+    options = [s for s in options if pass_rows(s) <= largest] or [LookaheadSettings(1, 3, 1)]
+    best = max(options, key=lambda s: expected_tokens(s) / interpolated_cost(curve, pass_rows(s)))
+    value = expected_tokens(best) / interpolated_cost(curve, pass_rows(best))
+    return best, (f"{best}: {pass_rows(best)} rows a pass, the most tokens per unit of pass cost on this machine's "
+                  f"cost curve under the prior ({value:.2f}x plain decoding's)")
+
+
+@dataclass
+class LookaheadState:
+    """One generation's window and pool. ``root``: the root of the pass whose window's logits come back next (None
+    before the first pass); ``updates``: Jacobi updates so far (the first n-grams are read once every level after
+    level 0 holds the target's guesses, not the prompt tokens the window starts from)."""
+
+    levels: torch.Tensor  # [N - 1, W] long
+    pool: NgramPool
+    offsets: torch.Tensor  # [E] long
+    mask: torch.Tensor  # [E, E] bool
+    root: int | None = None
+    updates: int = 0
+
+
+class LookaheadProposer:
+    """Lookahead decoding with ``settings`` (W, N, G); with ``lookup``, prompt lookup's continuations go into the
+    trie before the pool's.
+
+    Its trees are as wide as G candidates side by side, which adaptive sizing (a chain model) would shrink to one
+    candidate: the decoder verifies trees of its own ``tree_size`` (1 + G (N - 1), ``own_tree_size``) unless given
+    a tree size. ``reason`` says how the settings were chosen (``tree_size_reason``)."""
+
+    hidden_layers: tuple[int, ...] = ()
+    needs_hidden = False
+    own_tree_size = True
+
+    def __init__(self, settings: LookaheadSettings, lookup: NgramProposer | None = None, reason: str | None = None):
+        if not isinstance(settings, LookaheadSettings):
+            raise TypeError(f"LookaheadProposer takes LookaheadSettings, not {type(settings).__name__}")
+        self.settings = settings
+        self.lookup = lookup
+        self.name = "lookahead" + (f"+{lookup.name}" if lookup is not None else "")
+        self.extra_rows = settings.window_rows
+        self.tree_size = settings.tree_size
+        self.tree_size_reason = reason or f"{settings}"
+        self.max_depth = max(settings.ngram - 1, lookup.max_depth if lookup is not None else 0)
+        # what sizing by the cost model assumes where the proposer's own size does not apply (a batch of rows)
+        self.expected_acceptance = max(PRIOR_ACCEPTANCE, lookup.expected_acceptance if lookup else 0.0)
+
+    @classmethod
+    def for_target(cls, target, settings: LookaheadSettings | None = None, lookup: NgramProposer | None = None):
+        """With ``settings``, or with the settings chosen from ``target``'s measured cost curve."""
+        if settings is not None:
+            return cls(settings, lookup, reason=f"{settings}, as given")
+        from runtime.cost_model import cost_curve
+
+        chosen, why = choose_settings(cost_curve(target))
+        return cls(chosen, lookup, reason=why)
+
+    def start(self, prompt: torch.Tensor, max_length: int) -> LookaheadState:
+        s = self.settings
+        # The window starts from prompt tokens drawn with a fixed seed (the reference draws them at random): a
+        # rerun repeats every guess.
+        generator = torch.Generator().manual_seed(0)
+        picks = torch.randint(prompt.numel(), (s.ngram - 1, s.window), generator=generator)
+        device = prompt.device
+        return LookaheadState(prompt[picks.to(device)], NgramPool(s.candidates),
+                              window_offsets(s.window, s.ngram).to(device), window_mask(s.window, s.ngram).to(device))
+
+    def propose(self, state: LookaheadState, step: ProposeInput) -> Draft:
+        s = self.settings
+        if step.extra_logits is not None and state.root is not None:
+            new = step.extra_logits[-s.window:].argmax(-1)  # the newest level's rows come last
+            if state.updates >= s.ngram - 2:  # levels 1 .. N - 2 hold the target's guesses by now
+                state.pool.add(window_ngrams(state.levels, state.root, new))
+            state.levels = jacobi_update(state.levels, new)
+            state.updates += 1
+        root = int(step.history[-1])
+        sequences: list = []
+        lookup = self.lookup
+        if lookup is not None and step.tree_size > 1:
+            sequences = find_continuations(step.history.cpu().numpy(), lookup.max_ngram, lookup.min_ngram,
+                                           lookup.max_matches, min(lookup.max_depth, step.tree_size - 1))
+        sequences += state.pool.candidates(root)[: s.candidates]
+        tree = candidate_tree(root, sequences, step.tree_size, device=step.history.device)
+        state.root = root
+        return Draft(tree, window_tokens(state.levels), state.offsets, state.mask)

@@ -1,0 +1,250 @@
+"""Lookahead decoding: the window's layout, mask and Jacobi update, the n-gram pool and the candidate trie on hand-built
+cases; the settings chosen from a cost curve; and the window never changing what the verified tree computes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from runtime.decoder import SpeculativeDecoder
+from runtime.proposers import ProposerSpec, build_proposer
+from runtime.proposers.lookahead import (LookaheadProposer, NgramPool, candidate_tree, choose_settings,
+                                         jacobi_update, pass_rows, window_mask, window_ngrams, window_offsets,
+                                         window_tokens)
+from runtime.proposers.ngram import NgramProposer
+from runtime.proposers.spec import LookaheadSettings
+from runtime.target import target_from_model
+from runtime.tree import Draft, Tree, draft_row_mask, verification_mask
+from tests.conftest import tiny_model
+from tests.script_runs import REPO, run_script
+
+VOCAB = 64
+
+
+def test_window_layout_on_a_hand_built_window():
+    # W = 3, N = 4: level 0 holds the root (column 0) and two guesses, levels 1 and 2 three each; rows in order
+    # (0,1) (0,2) (1,0) (1,1) (1,2) (2,0) (2,1) (2,2); level l, column j stands j + l after the root
+    assert window_offsets(3, 4).tolist() == [1, 2, 1, 2, 3, 2, 3, 4]
+    expected = torch.tensor([
+        # (0,1) (0,2) (1,0) (1,1) (1,2) (2,0) (2,1) (2,2)
+        [1, 0, 0, 0, 0, 0, 0, 0],  # (0,1): root, itself
+        [1, 1, 0, 0, 0, 0, 0, 0],  # (0,2): root, (0,1), itself
+        [0, 0, 1, 0, 0, 0, 0, 0],  # (1,0): root, itself
+        [1, 0, 0, 1, 0, 0, 0, 0],  # (1,1): root, (0,1), itself
+        [1, 1, 0, 0, 1, 0, 0, 0],  # (1,2): root, (0,1), (0,2), itself
+        [0, 0, 1, 0, 0, 1, 0, 0],  # (2,0): root, (1,0), itself
+        [1, 0, 0, 1, 0, 0, 1, 0],  # (2,1): root, (0,1), (1,1), itself
+        [1, 1, 0, 0, 1, 0, 0, 1],  # (2,2): root, (0,1), (0,2), (1,2), itself
+    ], dtype=torch.bool)
+    assert torch.equal(window_mask(3, 4), expected)
+    # what each row sees is a run of consecutive positions after the root, ending at its own
+    offsets = window_offsets(3, 4)
+    for row in range(8):
+        assert sorted(offsets[expected[row]].tolist()) == list(range(1, int(offsets[row]) + 1))
+    settings = LookaheadSettings(3, 4, 2)
+    assert settings.window_rows == 8 and settings.tree_size == 7
+
+
+def test_window_of_one_column():
+    assert window_offsets(1, 3).tolist() == [1]
+    assert window_mask(1, 3).tolist() == [[True]]
+    assert window_offsets(1, 4).tolist() == [1, 2]
+    assert window_mask(1, 4).tolist() == [[True, False], [True, True]]
+
+
+def test_jacobi_update_and_ngrams_on_a_hand_built_window():
+    levels = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]])  # [N - 1 = 3, W = 3]
+    new = torch.tensor([90, 91, 92])
+    assert window_tokens(levels).tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert jacobi_update(levels, new).tolist() == [[3, 4, 5], [6, 7, 8], [90, 91, 92]]
+    # column 0 starts with the root of the pass that produced ``new``
+    assert window_ngrams(levels, 77, new).tolist() == [[77, 3, 6, 90], [1, 4, 7, 91], [2, 5, 8, 92]]
+    assert levels[0, 0] == 0  # not written through
+
+
+def test_pool_keeps_the_most_recent_continuations_per_first_token():
+    pool = NgramPool(capacity=2)
+    pool.add(torch.tensor([[5, 1, 2], [6, 1, 1], [5, 3, 4]]))
+    assert pool.candidates(5) == [(3, 4), (1, 2)]
+    assert pool.candidates(6) == [(1, 1)] and pool.candidates(7) == []
+    pool.add(torch.tensor([[5, 1, 2]]))  # seen again: most recent now
+    assert pool.candidates(5) == [(1, 2), (3, 4)]
+    pool.add(torch.tensor([[5, 8, 9]]))  # full: the least recently seen goes
+    assert pool.candidates(5) == [(8, 9), (1, 2)]
+    assert len(pool) == 3
+    with pytest.raises(ValueError, match="capacity"):
+        NgramPool(0)
+
+
+def test_candidate_trie_shares_prefixes_and_keeps_the_size():
+    tree = candidate_tree(7, [(1, 2), (1, 3), (4, 5)], max_nodes=10)
+    assert tree.tokens.tolist() == [7, 1, 2, 3, 4, 5]
+    assert tree.parents.tolist() == [-1, 0, 1, 1, 0, 4]
+    assert candidate_tree(7, [(1, 2), (4, 5)], max_nodes=4).tokens.tolist() == [7, 1, 2, 4]
+    assert candidate_tree(7, [], max_nodes=4).size == 1
+
+
+def test_draft_row_mask_keeps_the_tree_blind_to_extra_rows():
+    tree = Tree(torch.tensor([10, 11, 12]), torch.tensor([-1, 0, 0]))
+    draft = Draft(tree, torch.tensor([20, 21]), torch.tensor([1, 2]), torch.tensor([[True, False], [True, True]]))
+    mask = draft.row_mask()
+    assert mask.tolist() == [
+        [True, False, False, False, False],
+        [True, True, False, False, False],
+        [True, False, True, False, False],
+        [True, False, False, True, False],  # an extra row sees the root, no other node
+        [True, False, False, True, True],
+    ]
+    assert torch.equal(draft_row_mask(tree.ancestor_mask(), draft.extra_mask), mask)
+    assert draft.tokens().tolist() == [10, 11, 12, 20, 21]
+    assert draft.position_ids(5).tolist() == [5, 6, 6, 6, 7]
+    assert draft.rows == 5 and Draft.of(tree).extra_count == 0 and Draft.of(draft) is draft
+    with pytest.raises(ValueError, match="together"):
+        Draft(tree, torch.tensor([20]))
+    with pytest.raises(ValueError, match="extra_mask"):
+        Draft(tree, torch.tensor([20]), torch.tensor([1]), torch.ones(2, 2, dtype=torch.bool))
+
+
+@torch.inference_mode()
+def test_extra_rows_do_not_change_the_tree_rows_logits():
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    prompt = torch.arange(3, 20)
+    tree = Tree(torch.tensor([20, 21, 22, 23]), torch.tensor([-1, 0, 0, 1]))
+    s = LookaheadSettings(3, 4, 2)
+    draft = Draft(tree, torch.randint(0, VOCAB, (s.window_rows,)), window_offsets(3, 4), window_mask(3, 4))
+    logits = []
+    for rows in (Draft(tree), draft):
+        cache = target.new_cache(1, 64)
+        target.forward(prompt[None], torch.arange(17)[None], cache, None, logits_from=16)
+        cache.commit(17)
+        mask = verification_mask(rows.row_mask(), 17)
+        logits.append(target.forward(rows.tokens()[None], rows.position_ids(17)[None], cache, mask).logits[0, :4])
+    torch.testing.assert_close(logits[0], logits[1])
+
+
+@torch.inference_mode()
+def test_window_rows_compute_what_the_sequences_they_stand_for_would():
+    """A window row's logits equal those of the last token of the sequence it stands for, run plainly."""
+    model = tiny_model("llama", seed=0, vocab_size=VOCAB)
+    target = target_from_model(model, identity="tiny")
+    prompt = torch.arange(3, 20)
+    window, ngram = 3, 4
+    levels = torch.randint(0, VOCAB, (ngram - 1, window), generator=torch.Generator().manual_seed(1))
+    root = int(prompt[-1])
+    draft = Draft(Tree.chain(root, []), window_tokens(levels), window_offsets(window, ngram),
+                  window_mask(window, ngram))
+    cache = target.new_cache(1, 64)
+    target.forward(prompt[:-1][None], torch.arange(16)[None], cache, None, logits_from=15)
+    cache.commit(16)
+    out = target.forward(draft.tokens()[None], draft.position_ids(16)[None], cache,
+                         verification_mask(draft.row_mask(), 16), logits_from=0).logits[0, 1:]
+    # the row at level 2, column 2 (the last) stands for: prompt, levels[0, 1], levels[0, 2], levels[1, 2],
+    # levels[2, 2]
+    sequence = torch.cat([prompt, levels[0, 1:3], levels[1:, 2]])
+    plain = model(sequence[None]).logits[0, -1]
+    torch.testing.assert_close(out[-1], plain, atol=1e-4, rtol=1e-4)
+    # level 1, column 0: prompt, levels[1, 0]
+    plain = model(torch.cat([prompt, levels[1:2, 0]])[None]).logits[0, -1]
+    torch.testing.assert_close(out[window - 1], plain, atol=1e-4, rtol=1e-4)
+
+
+def test_settings_from_cost_curves():
+    flat = {1: 1.0, 2: 1.01, 4: 1.02, 8: 1.03, 16: 1.05, 32: 1.1, 64: 1.2}
+    settings, why = choose_settings(flat)
+    assert pass_rows(settings) > 16 and "rows a pass" in why  # nearly free rows: a wide window
+    steep = {1: 1.0, 2: 1.9, 4: 3.8, 8: 7.5, 16: 15.0}
+    small, _ = choose_settings(steep)
+    assert pass_rows(small) <= 16 and pass_rows(small) < pass_rows(settings)
+    assert settings.candidates == settings.window  # G = W, as the reference does
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="ngram must be >= 3"):
+        LookaheadSettings(4, 2, 4)
+    with pytest.raises(ValueError, match="window must be a positive integer"):
+        LookaheadSettings(0, 3, 4)
+    with pytest.raises(ValueError, match="lookahead's sizes"):
+        ProposerSpec("ngram", lookahead=LookaheadSettings(4, 3, 4))
+    spec = ProposerSpec("lookahead", lookup_first=True, lookahead=(4, 3, 5))
+    assert spec.lookahead == LookaheadSettings(4, 3, 5) and spec.label == "lookahead+ngram"
+    assert ProposerSpec(**asdict(spec)) == spec  # as the benchmark reads a spec back from its results
+
+
+def test_build_proposer_spells_lookahead_and_lookahead_with_lookup():
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    proposer = build_proposer(ProposerSpec("lookahead", lookahead=(4, 3, 5)), target)
+    assert isinstance(proposer, LookaheadProposer) and proposer.name == "lookahead" and proposer.lookup is None
+    assert proposer.extra_rows == 7 and proposer.tree_size == 11
+    both = build_proposer(ProposerSpec("lookahead", lookup_first=True, lookahead=(4, 3, 5)), target)
+    assert both.name == "lookahead+ngram" and isinstance(both.lookup, NgramProposer)
+    decoder = SpeculativeDecoder(target, both)
+    assert decoder.tree_size == 11 and "own size" in decoder.tree_size_reason
+
+
+def hf_greedy(prompt, new_tokens):
+    model = tiny_model("llama", seed=0, vocab_size=VOCAB)
+    return model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)[0, len(prompt):].tolist()
+
+
+def test_the_pool_fills_and_gets_drafts_accepted():
+    """On repetitive text the window's n-grams are right: lookahead alone (no prompt lookup) gets drafts accepted,
+    and the output stays the target's."""
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    prompt = [9, 4, 9, 4, 9, 4, 9, 4, 9, 4, 9, 4]
+    reference = hf_greedy(prompt, 48)
+    result = SpeculativeDecoder(target, LookaheadProposer(LookaheadSettings(4, 3, 4))).generate(prompt, 48)
+    assert result.tokens == reference
+    assert result.tau > 1.0 and max(result.tree_sizes) > 1
+
+
+def test_a_proposer_asking_for_more_extra_rows_than_it_declares_is_refused():
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    proposer = LookaheadProposer(LookaheadSettings(3, 3, 2))
+    proposer.extra_rows = 2  # declares fewer than the window's 5
+    with pytest.raises(ValueError, match="extra rows"):
+        SpeculativeDecoder(target, proposer).generate([1, 2, 3], 4)
+
+
+# The command-line spellings, parsed in the interpreter the scripts run in (scripts/cli.py).
+PARSE = r"""
+import dataclasses, json, sys
+from cli import parse_methods, parse_proposer
+
+out = []
+for kind, text in json.loads(sys.argv[1]):
+    try:
+        if kind == "methods":
+            out.append({name: dataclasses.asdict(method.proposer) | {"tree_size": method.tree_size}
+                        for name, method in parse_methods(text).items() if hasattr(method, "proposer")})
+        else:
+            out.append(dataclasses.asdict(parse_proposer(text)))
+    except SystemExit as error:
+        out.append({"error": str(error)})
+print(json.dumps(out))
+"""
+
+
+def test_command_line_spellings():
+    def spec(name="lookahead", **kwargs):
+        return json.loads(json.dumps(asdict(ProposerSpec(name, **kwargs))))  # settings as JSON gives them back
+
+    cases = [
+        ("proposer", "lookahead", spec()),
+        ("proposer", "lookahead+ngram", spec(lookup_first=True)),
+        ("proposer", "lookahead+ngram:8,3,6", spec(lookup_first=True, lookahead=(8, 3, 6))),
+        ("proposer", "lookahead:8,3", "give lookahead's sizes as lookahead:W,N,G"),
+        ("proposer", "lookahead:8,2,8", "ngram must be >= 3"),
+        ("methods", "hf-greedy,lookahead:4,3,4@9,lookahead+ngram,ngram",
+         {"lookahead:4,3,4@9": {**spec(lookahead=(4, 3, 4)), "tree_size": 9},
+          "lookahead+ngram": {**spec(lookup_first=True), "tree_size": None},
+          "ngram": {**spec("ngram"), "tree_size": None}}),
+    ]
+    result = run_script("-c", PARSE, json.dumps([case[:2] for case in cases]), cwd=REPO / "scripts")
+    for (_, text, expected), got in zip(cases, json.loads(result.stdout), strict=True):
+        if isinstance(expected, str):
+            assert expected in got.get("error", ""), (text, got)
+        else:
+            assert got == expected, (text, got)
