@@ -17,6 +17,7 @@ from heads.io import EXPORT_MARKER, export_all, export_head, load_head, save_hea
 from heads.medusa import MedusaConfig, MedusaHeads
 from tests.conftest import tiny_model
 from tests.script_runs import check_arguments
+from tests.test_heads import outputs as draft_logits
 
 LAYERS = 8  # default EAGLE-3 layers (2, 4, 5): distinct, as published heads' are
 THETA = 100000.0  # SmolLM2's rope base: not the 10000 legacy readers assume
@@ -53,16 +54,6 @@ def make_head(kind, model):
                                       model.config))
     head.attach_target_weights(*frozen_target_weights(model))
     return head.eval()
-
-
-def draft_logits(head, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        if isinstance(head, MedusaHeads):
-            return head(torch.randn(2, 5, 32, generator=generator))
-        ids = torch.randint(0, 64, (2, 5), generator=generator)
-        features = torch.randn(2, 5, head.feature_size, generator=generator)
-        return head(ids, features, torch.arange(5).expand(2, 5))[1]
 
 
 KINDS = ["eagle3", "eagle3-layers", "eagle", "eagle-nobias", "medusa", "medusa-own-heads"]

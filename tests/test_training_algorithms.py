@@ -192,3 +192,20 @@ def test_evaluation_calls_the_head_only_inside_the_objectives_forward(head_type)
     assert outside == [], f"head modules called outside the objective's forward: {sorted(set(outside))}"
     rows = mask if head_type == "medusa" else mask[:, 1:]  # EAGLE drafts after the next token: one row less
     assert result["reached"][0] == int(rows.sum())
+
+
+def test_norm_scale_is_the_weight_for_llama_norms_and_one_plus_it_for_gemma():
+    """An EAGLE-3 head's Llama-style output norm starts as the target's final norm: Gemma's norm scales by
+    1 + weight, so copying its weight would start the head far from the target."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from training.recipe import norm_scale
+
+    weight = torch.tensor([0.5, -0.25, 2.0])
+    llama, gemma = LlamaRMSNorm(3), GemmaRMSNorm(3)
+    with torch.no_grad():
+        llama.weight.copy_(weight)
+        gemma.weight.copy_(weight)
+    torch.testing.assert_close(norm_scale(llama), weight, atol=1e-5, rtol=0)
+    torch.testing.assert_close(norm_scale(gemma), 1 + weight, atol=1e-5, rtol=0)

@@ -344,10 +344,18 @@ def training_head(head_conf, target: Target, train_split) -> nn.Module:
             head.set_draft_vocab(*build_draft_vocab(counts, head.draft_vocab_size))
         if head_conf.init_lm_head:
             final_norm = getattr(target.model.get_decoder(), "norm", None)
-            head.init_output_from_target(lm_head, None if final_norm is None else final_norm.weight.detach())
+            head.init_output_from_target(lm_head, None if final_norm is None else norm_scale(final_norm))
     if head.head_type == "medusa" and not head.config.shared_lm_head:
         head.attach_target_weights(embed, lm_head, init_heads=True)
     return head
+
+
+def norm_scale(norm: nn.Module) -> torch.Tensor:
+    """[H]: the per-channel scale ``norm`` (an RMSNorm) applies to an input of unit RMS: its weight for the Llama
+    formula, 1 + weight for Gemma's. A head's Llama-style norm starts as the target's final norm with this weight."""
+    weight = norm.weight
+    with torch.no_grad():
+        return norm(torch.ones(1, weight.shape[0], dtype=weight.dtype, device=weight.device))[0].detach()
 
 
 def saved_head(directory: str, built: nn.Module, target: Target) -> nn.Module:
