@@ -42,7 +42,7 @@ import torch
 
 from runtime.acceptance import greedy_accept
 from runtime.cost_model import batch_tree_size
-from runtime.decoder import (GenerationResult, Stops, check_prompt_length, checked_backend, count_depths,
+from runtime.decoder import (GenerationResult, Stops, check_prompt_length, checked_backend, checked_draft, count_depths,
                              drawn_accept, pick_token)
 from runtime.kv_cache import KVCache
 from runtime.monitor import monitor_for
@@ -232,16 +232,6 @@ class BatchedDecoder:
             stats.seconds = time.perf_counter() - started
         stats.seconds = time.perf_counter() - started
 
-    def _checked(self, proposal: Tree | Draft) -> Draft:
-        """A proposal as a Draft, checked against what the cache was sized for."""
-        draft = Draft.of(proposal)
-        most = extra_rows(self.proposer)
-        if draft.tree.size > self.tree_size or draft.extra_count > most:
-            raise ValueError(f"the {self.proposer.name} proposer drafted {draft.tree.size} nodes and "
-                             f"{draft.extra_count} extra rows; the cache holds at most {self.tree_size} and {most} "
-                             f"(the proposer's extra_rows)")
-        return draft
-
     def _prefill(self, cache: KVCache, indices: list[int], prompts: list[torch.Tensor], max_new_tokens: int,
                  sampling: SamplingParams, seeds: list[int] | None) -> list[_Row]:
         """One pass over the prompts ``indices`` (right-padded), into an empty ``cache`` of as many rows; commits each
@@ -303,7 +293,7 @@ class BatchedDecoder:
             step = ProposeInput(row.history[:row.length], row.new_hidden, row.new_layer_hidden, self.tree_size,
                                 sampling, row.generator, row.extra_logits)
             drafting = time.perf_counter()
-            drafts.append(self._checked(proposer.propose(row.state, step)))
+            drafts.append(checked_draft(proposer.propose(row.state, step), proposer, self.tree_size))
             row.result.draft_seconds += time.perf_counter() - drafting
         trees = [draft.tree for draft in drafts]
         batch = len(rows)

@@ -223,7 +223,7 @@ class SpeculativeDecoder:
                 step = ProposeInput(history[:length], new_hidden, new_layer_hidden, size, sampling, generator,
                                     extra_logits)
                 drafting = time.perf_counter()
-                draft = self._checked(proposer.propose(state, step))
+                draft = checked_draft(proposer.propose(state, step), proposer, self.tree_size)
                 tree = draft.tree
                 result.draft_seconds += time.perf_counter() - drafting
                 path, bonus, out = self._verify(draft, cache, sampling, generator, hidden_layers)
@@ -246,15 +246,6 @@ class SpeculativeDecoder:
         result.seconds = time.perf_counter() - started
         return result
 
-    def _checked(self, proposal: Tree | Draft) -> Draft:
-        """A proposal as a Draft, checked against what the cache was sized for."""
-        draft = Draft.of(proposal)
-        if draft.tree.size > self.tree_size or draft.extra_count > self.extra_rows:
-            raise ValueError(f"the {self.proposer.name} proposer drafted {draft.tree.size} nodes and "
-                             f"{draft.extra_count} extra rows; the cache holds at most {self.tree_size} and "
-                             f"{self.extra_rows} (the proposer's extra_rows)")
-        return draft
-
     def _verify(self, draft: Draft, cache, sampling: SamplingParams, generator, hidden_layers):
         """One target pass over the tree (and the draft's extra rows); accept; keep only the accepted path in the
         cache."""
@@ -275,6 +266,17 @@ class SpeculativeDecoder:
         keep = torch.tensor([path], dtype=torch.long, device=device)
         cache.compact(keep, torch.tensor([len(path)], device=device))
         return path, bonus, out
+
+
+def checked_draft(proposal: Tree | Draft, proposer, tree_size: int) -> Draft:
+    """``proposer``'s proposal as a Draft, checked against what the cache was sized for: at most ``tree_size`` nodes
+    and the proposer's ``extra_rows``."""
+    draft = Draft.of(proposal)
+    most = extra_rows(proposer)
+    if draft.tree.size > tree_size or draft.extra_count > most:
+        raise ValueError(f"the {proposer.name} proposer drafted {draft.tree.size} nodes and {draft.extra_count} extra "
+                         f"rows; the cache holds at most {tree_size} and {most} (the proposer's extra_rows)")
+    return draft
 
 
 def checked_backend(target: Target, attention: str, acceptance: str, tree_size: int | None) -> str:

@@ -78,7 +78,7 @@ class TreeSizer:
         self.chosen: Counter[int] = Counter()
         self.started = start is not None
         if start is not None and start not in self.curve:  # a size measured elsewhere joins the candidates
-            self.curve[start] = self._interpolated_cost(start)
+            self.curve[start] = interpolated_cost(self.curve, start)
         self.current = start if start is not None else self.best()
 
     @property
@@ -156,11 +156,17 @@ class TreeSizer:
         return {"sizes": dict(sorted(self.chosen.items())),
                 "acceptance_by_depth": [round(self.acceptance.rate(d), 3) for d in range(1, depths + 1)]}
 
-    def _interpolated_cost(self, size: int) -> float:
-        below = max(s for s in self.curve if s <= size)
-        above = [s for s in self.curve if s >= size]
-        if not above:
-            return self.curve[below] * size / below
-        upper = min(above)
-        weight = (size - below) / (upper - below)
-        return self.curve[below] * (1 - weight) + self.curve[upper] * weight
+
+def interpolated_cost(curve: dict[int, float], size: int) -> float:
+    """The cost of a pass of ``size`` rows on ``curve`` ({rows: cost relative to one row}): linear between the
+    measured sizes, proportional past the largest, the smallest's cost below it."""
+    sizes = sorted(curve)
+    below = max((s for s in sizes if s <= size), default=sizes[0])
+    above = [s for s in sizes if s >= size]
+    if not above:
+        return curve[below] * size / below
+    upper = min(above)
+    if upper == below:
+        return curve[below]
+    weight = (size - below) / (upper - below)
+    return curve[below] * (1 - weight) + curve[upper] * weight

@@ -11,7 +11,7 @@ import torch
 
 from runtime.decoder import SpeculativeDecoder
 from runtime.proposers import ProposerSpec, build_proposer
-from runtime.proposers.lookahead import (LookaheadProposer, NgramPool, candidate_tree, choose_settings,
+from runtime.proposers.lookahead import (LookaheadProposer, NgramPool, choose_settings,
                                          jacobi_update, pass_rows, window_mask, window_ngrams, window_offsets,
                                          window_tokens)
 from runtime.proposers.ngram import NgramProposer
@@ -80,11 +80,11 @@ def test_pool_keeps_the_most_recent_continuations_per_first_token():
 
 
 def test_candidate_trie_shares_prefixes_and_keeps_the_size():
-    tree = candidate_tree(7, [(1, 2), (1, 3), (4, 5)], max_nodes=10)
+    tree = Tree.from_sequences(7, [(1, 2), (1, 3), (4, 5)], max_nodes=10)
     assert tree.tokens.tolist() == [7, 1, 2, 3, 4, 5]
     assert tree.parents.tolist() == [-1, 0, 1, 1, 0, 4]
-    assert candidate_tree(7, [(1, 2), (4, 5)], max_nodes=4).tokens.tolist() == [7, 1, 2, 4]
-    assert candidate_tree(7, [], max_nodes=4).size == 1
+    assert Tree.from_sequences(7, [(1, 2), (4, 5)], max_nodes=4).tokens.tolist() == [7, 1, 2, 4]
+    assert Tree.from_sequences(7, [], max_nodes=4).size == 1
 
 
 def test_draft_row_mask_keeps_the_tree_blind_to_extra_rows():

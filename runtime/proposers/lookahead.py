@@ -32,6 +32,7 @@ from runtime.proposers.base import ProposeInput
 from runtime.proposers.ngram import NgramProposer, find_continuations
 from runtime.proposers.spec import LookaheadSettings
 from runtime.tree import Draft, Tree
+from runtime.tree_sizing import interpolated_cost
 
 # A prior for choosing W, N and G from the cost curve: a pass gets its first candidate token accepted with
 # probability HIT_SCALE * log2(1 + G) (the reference finds the gain growing with the log of the pass's size), and
@@ -113,12 +114,6 @@ class NgramPool:
         return sum(len(known) for known in self.grams.values())
 
 
-def candidate_tree(root: int, sequences: list, max_nodes: int, device=None) -> Tree:
-    """The trie of candidate continuations of ``root`` (earlier sequences get nodes first, common prefixes are
-    shared), at most ``max_nodes`` nodes with the root."""
-    return Tree.from_sequences(root, sequences, max_nodes, device=device)
-
-
 def expected_tokens(settings: LookaheadSettings, scale: float = HIT_SCALE, keep: float = CONTINUE) -> float:
     """Tokens a pass emits under the prior (bonus included): a candidate's first token right with probability
     ``scale`` log2(1 + G), each further token of its n-gram with probability ``keep``."""
@@ -129,21 +124,6 @@ def expected_tokens(settings: LookaheadSettings, scale: float = HIT_SCALE, keep:
 def pass_rows(settings: LookaheadSettings) -> int:
     """Rows of a pass with a full tree: its nodes and the window's rows."""
     return settings.tree_size + settings.window_rows
-
-
-def interpolated_cost(curve: dict[int, float], rows: int) -> float:
-    """A pass of ``rows`` rows relative to one row: linear between the measured sizes, proportional past the
-    largest."""
-    sizes = sorted(curve)
-    below = max((s for s in sizes if s <= rows), default=sizes[0])
-    above = [s for s in sizes if s >= rows]
-    if not above:
-        return curve[below] * rows / below
-    upper = min(above)
-    if upper == below:
-        return curve[below]
-    weight = (rows - below) / (upper - below)
-    return curve[below] * (1 - weight) + curve[upper] * weight
 
 
 def choose_settings(curve: dict[int, float]) -> tuple[LookaheadSettings, str]:
@@ -233,6 +213,6 @@ class LookaheadProposer:
             sequences = find_continuations(step.history.cpu().numpy(), lookup.max_ngram, lookup.min_ngram,
                                            lookup.max_matches, min(lookup.max_depth, step.tree_size - 1))
         sequences += state.pool.candidates(root)[: s.candidates]
-        tree = candidate_tree(root, sequences, step.tree_size, device=step.history.device)
+        tree = Tree.from_sequences(root, sequences, step.tree_size, device=step.history.device)
         state.root = root
         return Draft(tree, window_tokens(state.levels), state.offsets, state.mask)
