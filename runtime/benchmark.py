@@ -620,9 +620,9 @@ def summarize_batch(stats: dict[int, dict[str, MethodStats]], methods: dict[str,
     the fastest of them at that batch size."""
     greedy = [name for name, method in methods.items() if isinstance(method, HFBaseline)]
     summary = {}
+    rate1 = {name: s.tokens / s.seconds for name, s in stats[1].items()}
     for size, by_method in stats.items():
         rate = {name: s.tokens / s.seconds for name, s in by_method.items()}
-        rate1 = {name: s.tokens / s.seconds for name, s in stats[1].items()}
         fastest = max(rate[name] for name in greedy)
         rows = {}
         for name in methods:
