@@ -28,10 +28,14 @@ ADAPTIVE_MAX_SIZE = 32  # the largest tree adaptive sizing considers
 
 BATCH_SIZES = (1, 2, 4, 6, 8, 12, 16)  # tree sizes measured for several rows: larger passes cost too much to try
 
+# Part of the cache key: raised whenever the runtime's own pass changes what its sizes cost (a kernel choice, the
+# cache's bookkeeping), so that curves measured with the old pass are measured again rather than trusted.
+CURVE_VERSION = 2
+
 
 def _curve_path(target: Target, batch_size: int = 1):
     machine = f"{platform.processor()}-{platform.machine()}-{os.cpu_count()}-{torch.get_num_threads()}"
-    key = f"{target.identity}|{target.dtype}|{target.device}|{machine}|{torch.__version__}"
+    key = f"{target.identity}|{target.dtype}|{target.device}|{machine}|{torch.__version__}|v{CURVE_VERSION}"
     if batch_size > 1:
         key += f"|rows={batch_size}"
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]

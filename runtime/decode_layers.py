@@ -47,7 +47,8 @@ def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     (in bfloat16, up to the order of the fp32 accumulation).
 
     Few rows go through ``weight @ hidden^T``, the rest (and anything that needs gradients, or runs off CPU) through
-    F.linear. In bfloat16, 2-16 rows go through the compiled row kernel (``runtime.kernels``): PyTorch's bf16 product
+    F.linear. In bfloat16, 2-16 rows (and one row on a CPU with bf16 matrix instructions) go through the compiled
+    row kernel (``runtime.kernels``): PyTorch's bf16 product
     on a CPU without bf16 matrix instructions costs about one one-row product per row, the kernel reads the weights
     once. Many bf16 rows (a prefill) on such a CPU go through an fp32 product of the upcast operands. On a CPU with
     bf16 matrix instructions PyTorch's own bf16 product takes over from NATIVE_BF16_KERNEL_MAX_ROWS + 1 rows.
@@ -65,8 +66,10 @@ def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             return F.linear(hidden.float(), weight.float(), None if bias is None else bias.float()).to(torch.bfloat16)
         return F.linear(hidden, weight, bias)
     flat = hidden.reshape(rows, hidden.shape[-1])
-    if rows > 1 and bf16 and (kernel := bf16_rows_linear()) is not None:
-        # One row stays on PyTorch's bf16 product, which is about as fast and gives plain decoding HF's exact numbers.
+    if bf16 and (rows > 1 or native_bf16_matmul()) and (kernel := bf16_rows_linear()) is not None:
+        # Without bf16 matrix instructions one row stays on PyTorch's bf16 product: about as fast there, and plain
+        # decoding then has HF's exact numbers. With them PyTorch's one-row product is far slower than the kernel
+        # (scripts/bench_bf16_rows.py --rows 1), enough to make a 1-node pass cost more than a 2-node one.
         out = kernel(flat.contiguous(), weight.contiguous(), bias)
         return out.reshape(*hidden.shape[:-1], weight.shape[0])
     # The product comes out as [N, rows]; handing a transposed view on would make every later op (rotary, SDPA,

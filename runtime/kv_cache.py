@@ -18,18 +18,20 @@ def compact_kv(kv: torch.Tensor, lengths: torch.Tensor, keep: torch.Tensor, n_ke
     kv: [L, 2, B, Hkv, S_max, D]; lengths: [B] committed lengths; keep: [B, K] node indices (relative to
     ``lengths[b]``, ascending, padded arbitrarily past ``n_keep[b]``); n_keep: [B].
     Row b's entries at ``lengths[b] + keep[b, i]`` move to ``lengths[b] + i`` for i < n_keep[b].
+
+    Only entries that change slot are copied (an accepted path is often already in place: always so in plain
+    decoding), and as an indexed copy of those (row, slot) pairs: a gather and scatter over the whole window cost
+    milliseconds per step at many rows (scripts/bench_kv_cache.py).
     """
-    width = keep.shape[1]
-    if width == 0:
+    offsets = torch.arange(keep.shape[1], device=keep.device)
+    moved = (offsets[None, :] < n_keep[:, None]) & (keep != offsets[None, :])  # [B, K]
+    if not bool(moved.any()):
         return
-    offsets = torch.arange(width, device=keep.device)
-    valid = offsets[None, :] < n_keep[:, None]  # [B, K]
-    source = lengths[:, None] + torch.where(valid, keep, offsets[None, :])  # padding copies a slot onto itself
-    dest = lengths[:, None] + offsets[None, :]
-    layers, two, batch, heads, _, dim = kv.shape
-    index = source[None, None, :, None, :, None].expand(layers, two, batch, heads, width, dim)
-    gathered = torch.gather(kv, 4, index)  # gather first: sources and destinations may overlap
-    kv.scatter_(4, dest[None, None, :, None, :, None].expand_as(gathered), gathered)
+    rows, index = moved.nonzero(as_tuple=True)  # [M] each
+    source = lengths[rows] + keep[rows, index]
+    dest = lengths[rows] + index
+    # the right side is read into a new tensor first, so overlapping sources and destinations are safe
+    kv[:, :, rows, :, dest] = kv[:, :, rows, :, source]
 
 
 class KVCache:
@@ -68,10 +70,11 @@ class KVCache:
             layer[0, :, :, start:end] = key_states
             layer[1, :, :, start:end] = value_states
         else:
+            # ragged rows: an indexed copy of the (row, slot) pairs, much faster than scatter_ with an expanded index
             slots = self.lengths[:, None] + torch.arange(new, device=self.lengths.device)[None, :]  # [B, T]
-            index = slots[:, None, :, None].expand_as(key_states)
-            layer[0].scatter_(2, index, key_states)
-            layer[1].scatter_(2, index, value_states)
+            rows = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)
+            layer[0][rows, :, slots] = key_states.transpose(1, 2)  # [B, T, Hkv, D], as the indexing places it
+            layer[1][rows, :, slots] = value_states.transpose(1, 2)
         return layer[0, :, :, :end], layer[1, :, :, :end]
 
     def commit(self, count: int | torch.Tensor) -> None:
@@ -80,15 +83,8 @@ class KVCache:
         self._max_len = int(self.lengths.max())
 
     def compact(self, keep: torch.Tensor, n_keep: torch.Tensor) -> None:
-        """Keep written entries ``keep[b, :n_keep[b]]`` (indices relative to the row's length); see compact_kv.
-
-        Only the slots from the shortest row's length to the longest row's last kept entry can move, so
-        compaction works on that window: a gather and scatter over the whole buffer would cost time proportional to
-        the context at every step."""
-        start = int(self.lengths.min())
-        # sources reach the largest kept index past a row's length, destinations (padding included) the keep width
-        window = self.kv[..., start: self._max_len + max(int(keep.max()) + 1, keep.shape[1]), :]
-        compact_kv(window, self.lengths - start, keep, n_keep)
+        """Keep written entries ``keep[b, :n_keep[b]]`` (indices relative to the row's length); see compact_kv."""
+        compact_kv(self.kv, self.lengths, keep, n_keep)
         self.commit(n_keep)
 
     def row(self, index: int) -> KVCache:
