@@ -25,6 +25,11 @@ with a prefill of its own (a batch-1 pass over that row's slots, ``KVCache.row``
 pass, so no row waits for the longest one. Once no prompt is left to take a finished row's place, the cache drops
 that row (``KVCache.keep_rows``).
 
+Drafting. Greedy rows draft together where the proposer can (``propose_rows``: an EAGLE head reads every row's
+newly verified rows in one pass and takes every root through its LM head in one product), since greedy output does
+not depend on the trees. Sampled rows draft one by one: a head's trees may differ by rounding with the shape of the
+batch, and a sampled row's draws depend on its tree.
+
 The tree size is fixed for every row and step (rows may draft fewer nodes): a size adapted from what the whole batch
 accepts would make one row's trees, and so its random draws when sampling, depend on its neighbours. A proposer that
 sizes its own trees (``runtime.proposers.base.sizes_own_tree``) keeps its size at every batch size.
@@ -46,7 +51,7 @@ from runtime.decoder import (GenerationResult, Stops, check_prompt_length, check
                              drawn_accept, pick_token)
 from runtime.kv_cache import KVCache
 from runtime.monitor import monitor_for
-from runtime.proposers.base import NoProposer, Proposer, ProposeInput, extra_rows, sizes_own_tree
+from runtime.proposers.base import NoProposer, Proposer, ProposeInput, extra_rows, propose_rows, sizes_own_tree
 from runtime.sampling import SamplingParams, new_generator
 from runtime.target import Target
 from runtime.tree import Draft, Tree
@@ -283,18 +288,30 @@ class BatchedDecoder:
     def _step(self, rows: list[_Row], cache: KVCache, sampling: SamplingParams) -> None:
         """Draft a tree per row, verify every row's tree in one target pass, accept per row, compact the cache."""
         target, device, proposer = self.target, self.target.device, self.proposer
-        drafts: list[Draft] = []
-        for row in rows:
-            if self.tree_size == 1:
-                # the size is fixed for the run: a proposer that may draft nothing need not read anything either
-                # (an EAGLE head would otherwise still run over every verified row)
-                drafts.append(Draft(Tree.chain(int(row.history[row.length - 1]), [], device=device)))
-                continue
-            step = ProposeInput(row.history[:row.length], row.new_hidden, row.new_layer_hidden, self.tree_size,
-                                sampling, row.generator, row.extra_logits)
-            drafting = time.perf_counter()
-            drafts.append(checked_draft(proposer.propose(row.state, step), proposer, self.tree_size))
-            row.result.draft_seconds += time.perf_counter() - drafting
+        greedy = sampling.greedy and self.acceptance == "exact"
+        if self.tree_size == 1:
+            # the size is fixed for the run: a proposer that may draft nothing need not read anything either
+            # (an EAGLE head would otherwise still run over every verified row)
+            drafts = [Draft(Tree.chain(int(row.history[row.length - 1]), [], device=device)) for row in rows]
+        else:
+            steps = [ProposeInput(row.history[:row.length], row.new_hidden, row.new_layer_hidden, self.tree_size,
+                                  sampling, row.generator, row.extra_logits) for row in rows]
+            if greedy:
+                # Greedy output does not depend on the trees, so a head may draft for all rows in one pass (its
+                # trees can differ by rounding with the batch's shape); a sampled row's draws depend on its tree,
+                # which must not depend on its neighbours, so it drafts alone.
+                drafting = time.perf_counter()
+                proposals = propose_rows(proposer, [row.state for row in rows], steps)
+                share = (time.perf_counter() - drafting) / len(rows)
+                for row in rows:
+                    row.result.draft_seconds += share
+            else:
+                proposals = []
+                for row, step in zip(rows, steps):
+                    drafting = time.perf_counter()
+                    proposals.append(proposer.propose(row.state, step))
+                    row.result.draft_seconds += time.perf_counter() - drafting
+            drafts = [checked_draft(proposal, proposer, self.tree_size) for proposal in proposals]
         trees = [draft.tree for draft in drafts]
         batch = len(rows)
         nodes = max(draft.rows for draft in drafts)
@@ -321,7 +338,6 @@ class BatchedDecoder:
         out = target.forward(tokens.to(device), positions.to(device), cache, mask.to(device),
                              hidden_layers=proposer.hidden_layers, backend=self.attention,
                              prefix_len=min(committed), key_positions=key_positions.to(device))
-        greedy = sampling.greedy and self.acceptance == "exact"
         argmax = out.logits.argmax(-1).cpu() if greedy else None
         paths: list[tuple[list[int], int]] = []
         for b, (row, tree) in enumerate(zip(rows, trees)):

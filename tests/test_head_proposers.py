@@ -198,3 +198,41 @@ def test_lookup_first_drafts_by_lookup_where_the_text_repeats_and_by_the_head_el
     alone = head.propose(head.start(torch.tensor(longer), 64), step(longer, hidden))
     assert torch.equal(tree.tokens, alone.tokens) and torch.equal(tree.parents, alone.parents)
     assert tree.size > 1
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "eagle3-draft-vocab", "eagle3+ngram", "medusa", "medusa+ngram"])
+def test_heads_draft_for_several_rows_together_as_each_alone(name):
+    """propose_rows reads every row's new verified rows in one head pass (ragged: different histories, different
+    rows already in the head's cache, different counts of new rows) and drafts the trees and head caches each row
+    gets from propose alone."""
+    from runtime.proposers.base import ProposeInput
+
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    proposer = head_proposers(target)[name]
+    sampling = SamplingParams(temperature=0.0)
+    generator = torch.Generator().manual_seed(3)
+    histories = [torch.randint(0, VOCAB, (length,), generator=generator).tolist() for length in (9, 14, 6)]
+    histories[2] = [5, 6, 7, 5, 6, 7]  # lookup finds a continuation here: that row waits for the head
+    read_first = [4, 12, 2]  # history rows the head has read before the step compared
+
+    def step(history, start):
+        out = target.forward(torch.tensor([history[:-1]]), torch.arange(len(history) - 1)[None],
+                             target.new_cache(1, 64), None, logits_from=0, hidden_layers=proposer.hidden_layers)
+        return ProposeInput(torch.tensor(history), out.hidden[0, start:],
+                            tuple(h[0, start:] for h in out.layer_hidden), 6, sampling, None)
+
+    def prepared():
+        states = []
+        for history, first in zip(histories, read_first):
+            state = proposer.start(torch.tensor(history), 64)
+            proposer.propose(state, step(history[:first + 1], 0))
+            states.append(state)
+        return states
+
+    alone = [proposer.propose(state, step(history, first))
+             for state, history, first in zip(prepared(), histories, read_first)]
+    states = prepared()
+    together = proposer.propose_rows(states, [step(history, first) for history, first in zip(histories, read_first)])
+    for one, both in zip(alone, together):
+        assert torch.equal(one.tokens, both.tokens) and torch.equal(one.parents, both.parents)
+    assert any(tree.size > 1 for tree in together)

@@ -56,6 +56,16 @@ class Proposer(Protocol):
         a Draft)."""
 
 
+def propose_rows(proposer, states: list[Any], steps: list[ProposeInput]) -> list[Tree | Draft]:
+    """``proposer``'s proposals for several generations at one step: its ``propose_rows`` where it has one (a head
+    that drafts for all of them in one pass; the trees may differ from ``propose``'s by rounding, so only callers
+    whose output does not depend on the tree use it), else ``propose`` for each."""
+    together = getattr(proposer, "propose_rows", None)
+    if together is not None:
+        return together(states, steps)
+    return [proposer.propose(state, step) for state, step in zip(states, steps)]
+
+
 def extra_rows(proposer) -> int:
     """The most extra rows ``proposer`` asks a verification pass for (its ``extra_rows``; 0 when it has none)."""
     return int(getattr(proposer, "extra_rows", 0))

@@ -60,24 +60,85 @@ class EagleProposer:
         """Run the head over the rows verified since it last drafted and keep them in its cache. Returns the
         head's output for the newest row [H]."""
         history, cache, head = step.history, state.cache, self.head
-        context = history.numel()
-        done = cache.max_committed
-        features = head.select_features(step.new_hidden, step.new_layer_hidden).to(head.fc.weight.dtype)
-        count = features.shape[0]
-        if done + count != context - 1:
-            raise RuntimeError(f"EAGLE head has {done} rows and got {count} new features for a history of {context}")
-        tokens = history[done + 1: context]
+        done, count, features = self._new_rows(state, step)
+        tokens = history[done + 1: done + 1 + count]
         positions = torch.arange(done, done + count, device=history.device)
         hidden = head.hidden_states(tokens[None], features[None], positions[None],
                                     causal_rows_mask(done, count, history.device), cache)
         cache.commit(count)
         return hidden[0, -1]
 
+    def _new_rows(self, state: EagleState, step: ProposeInput) -> tuple[int, int, torch.Tensor]:
+        """(rows in the head's cache, new rows, their features [count, F]), checked against the history."""
+        head = self.head
+        done, context = state.cache.max_committed, step.history.numel()
+        features = head.select_features(step.new_hidden, step.new_layer_hidden).to(head.fc.weight.dtype)
+        if done + features.shape[0] != context - 1:
+            raise RuntimeError(f"EAGLE head has {done} rows and got {features.shape[0]} new features for a history "
+                               f"of {context}")
+        return done, features.shape[0], features
+
+    def _read_verified_rows_together(self, states: list[EagleState], steps: list[ProposeInput]) -> torch.Tensor:
+        """``_read_verified_rows`` for several generations in one head pass: [B, H], row b the head's output for
+        generation b's newest row.
+
+        Each generation's cache is copied into one ragged batch cache (the head has one layer, so that is a small
+        copy), the new rows of every generation go through the head together (padded, each row seeing its own
+        cache and its own new rows causally; a padding row sees its own slot), and each generation's new entries are
+        copied back into its own cache."""
+        head, device = self.head, steps[0].history.device
+        rows = [self._new_rows(state, step) for state, step in zip(states, steps)]
+        batch, width = len(rows), max(count for _, count, _ in rows)
+        longest = max(done for done, _, _ in rows)
+        own = states[0].cache.kv  # [L, 2, 1, Hkv, S, D]
+        batched = KVCache(own.shape[0], batch, own.shape[3], own.shape[-1], longest + width, own.dtype, device)
+        kv = batched.kv
+        tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
+        features = rows[0][2].new_zeros(batch, width, rows[0][2].shape[-1])
+        positions = torch.zeros(batch, width, dtype=torch.long, device=device)
+        mask = torch.zeros(batch, 1, width, longest + width, dtype=torch.bool, device=device)
+        new = torch.arange(width, device=device)
+        for b, ((done, count, feature), state, step) in enumerate(zip(rows, states, steps)):
+            kv[:, :, b, :, :done] = state.cache.kv[:, :, 0, :, :done]
+            tokens[b, :count] = step.history[done + 1: done + 1 + count]
+            features[b, :count] = feature
+            positions[b] = done + new.clamp(max=count - 1)
+            mask[b, 0, :, :done] = True
+            mask[b, 0, :, done: done + width] = new[None, :] <= new[:, None]
+        batched.commit(torch.tensor([done for done, _, _ in rows], device=device))
+        hidden = head.hidden_states(tokens, features, positions, mask, batched)
+        for b, ((done, count, _), state) in enumerate(zip(rows, states)):
+            state.cache.kv[:, :, 0, :, done: done + count] = kv[:, :, b, :, done: done + count]
+            state.cache.commit(count)
+        return hidden[torch.arange(batch, device=device), torch.tensor([count - 1 for _, count, _ in rows],
+                                                                        device=device)]
+
     @torch.inference_mode()
     def propose(self, state: EagleState, step: ProposeInput) -> Tree:
+        root_hidden = self._read_verified_rows(state, step)  # only the newest row drafts: one row through the LM head
+        if min(self.depth, step.tree_size - 1) <= 0:
+            return Tree.chain(int(step.history[-1]), [], device=step.history.device)
+        return self._expand(state, step, root_hidden, self.head.logits(root_hidden))
+
+    @torch.inference_mode()
+    def propose_rows(self, states: list[EagleState], steps: list[ProposeInput]) -> list[Tree]:
+        """``propose`` for several generations at once, their verified rows read in one head pass and their roots'
+        logits in one product: what a batch of rows costs the head per step is then about what one row costs.
+        The trees are those ``propose`` would draft up to rounding (the head's rows are computed in another batch
+        shape), so a caller whose random draws depend on the tree (sampling) drafts row by row."""
+        root_hidden = self._read_verified_rows_together(states, steps)
+        if min(self.depth, max(step.tree_size for step in steps) - 1) <= 0:
+            return [Tree.chain(int(step.history[-1]), [], device=step.history.device) for step in steps]
+        logits = self.head.logits(root_hidden)
+        return [self._expand(state, step, hidden, row_logits)
+                for state, step, hidden, row_logits in zip(states, steps, root_hidden, logits)]
+
+    def _expand(self, state: EagleState, step: ProposeInput, root_hidden: torch.Tensor,
+                root_logits: torch.Tensor) -> Tree:
+        """The dynamic tree from the root's head output [H] and logits [V'] (the head's cache holds the verified
+        rows)."""
         history, cache, head = step.history, state.cache, self.head
         context = history.numel()
-        root_hidden = self._read_verified_rows(state, step)  # only the newest row drafts: one row through the LM head
         depth = min(self.depth, step.tree_size - 1)
         root = int(history[-1])
         if depth <= 0:
@@ -92,7 +153,7 @@ class EagleProposer:
             state.node_hidden[node_ids] = out_hidden[0]
             return torch.log_softmax(out_logits[0].float(), dim=-1)
 
-        root_logprobs = torch.log_softmax(head.logits(root_hidden).float(), dim=-1)
+        root_logprobs = torch.log_softmax(root_logits.float(), dim=-1)
         tree = build_dynamic_tree(root, root_logprobs, cache.max_committed, forward_frontier, depth, self.top_k,
                                   step.tree_size, self.token_map)
         cache.crop(context - 1)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from runtime.proposers.base import Proposer, ProposeInput
+from runtime.proposers.base import Proposer, ProposeInput, propose_rows
 from runtime.proposers.ngram import NgramProposer
 from runtime.tree import Tree
 
@@ -63,11 +63,28 @@ class LookupFirstProposer:
         return LookupFirstState(self.head.start(prompt, max_length))
 
     def propose(self, state: LookupFirstState, step: ProposeInput) -> Tree:
+        found = self._lookup(state, step)
+        return found if found is not None else self.head.propose(state.head, _with_pending(state, step))
+
+    def propose_rows(self, states: list[LookupFirstState], steps: list[ProposeInput]) -> list[Tree]:
+        """``propose`` for several generations: lookup for each, then the head for those lookup found nothing for,
+        together (``runtime.proposers.base.propose_rows``)."""
+        trees = [self._lookup(state, step) for state, step in zip(states, steps)]
+        waiting = [i for i, tree in enumerate(trees) if tree is None]
+        if waiting:
+            drafted = propose_rows(self.head, [states[i].head for i in waiting],
+                                   [_with_pending(states[i], steps[i]) for i in waiting])
+            for i, tree in zip(waiting, drafted):
+                trees[i] = tree
+        return trees
+
+    def _lookup(self, state: LookupFirstState, step: ProposeInput) -> Tree | None:
+        """Lookup's tree when it finds a continuation (the step's features then wait for the head), else None."""
         found = self.lookup.propose(None, step)
-        if found.size > 1:
-            if step.new_hidden is not None:
-                state.hidden.append(step.new_hidden)
-            if step.new_layer_hidden:
-                state.layer_hidden.append(step.new_layer_hidden)
-            return found
-        return self.head.propose(state.head, _with_pending(state, step))
+        if found.size <= 1:
+            return None
+        if step.new_hidden is not None:
+            state.hidden.append(step.new_hidden)
+        if step.new_layer_hidden:
+            state.layer_hidden.append(step.new_layer_hidden)
+        return found

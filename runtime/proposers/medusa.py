@@ -59,18 +59,26 @@ class MedusaProposer:
 
     @torch.inference_mode()
     def propose(self, state: None, step: ProposeInput) -> Tree:
-        root = int(step.history[-1])
-        if step.tree_size <= 1:  # the decoder verifies the root alone (plain decoding): nothing to draft
-            return Tree.chain(root, [], device=step.history.device)
-        choices = self.choices or calibrated_choices(self.head_accuracy, step.tree_size, self.top_k)
-        if len(choices) >= step.tree_size:
+        return self.propose_rows([state], [step])[0]
+
+    @torch.inference_mode()
+    def propose_rows(self, states: list[None], steps: list[ProposeInput]) -> list[Tree]:
+        """``propose`` for several generations, every root's hidden state through the heads in one product."""
+        if len({step.tree_size for step in steps}) > 1:  # one set of choices serves one tree size
+            return [self.propose_rows([state], [step])[0] for state, step in zip(states, steps)]
+        tree_size = steps[0].tree_size
+        if tree_size <= 1:  # the decoder verifies the root alone (plain decoding): nothing to draft
+            return [Tree.chain(int(step.history[-1]), [], device=step.history.device) for step in steps]
+        choices = self.choices or calibrated_choices(self.head_accuracy, tree_size, self.top_k)
+        if len(choices) >= tree_size:
             raise ValueError(f"{len(choices)} Medusa choices need a tree tree_size of at least {len(choices) + 1} "
                              f"nodes; pass tree_size={len(choices) + 1}")
         depth = max(len(c) for c in choices)
-        last_hidden = step.new_hidden[-1]
-        logits = self.heads.first_heads_logits(last_hidden, depth)  # [D, V]
+        last_hidden = torch.stack([step.new_hidden[-1] for step in steps])  # [B, H]
+        logits = self.heads.first_heads_logits(last_hidden, depth)  # [D, B, V]
         ranks = max(c[-1] for c in choices) + 1
-        candidates = logits.topk(ranks, dim=-1).indices  # [D, ranks]
+        candidates = logits.topk(ranks, dim=-1).indices  # [D, B, ranks]
         # Siblings carry distinct ranks of one head, hence distinct tokens: no duplicate branches.
-        return Tree.from_choices(root, choices, candidates)
+        return [Tree.from_choices(int(step.history[-1]), choices, candidates[:, b])
+                for b, step in enumerate(steps)]
 
