@@ -3,7 +3,7 @@
   python scripts/check_speculators_export.py [--head DIR] [--target NAME] [--venv DIR]
 
 speculators pins an older transformers than this project, so it gets its own virtual environment (created in
---venv, kept for later runs). The script exports the head (the shipped EAGLE-3 head by default) in the vLLM layout,
+--venv on top of this environment's packages, kept for later runs). The script exports the head (the shipped EAGLE-3 head by default) in the vLLM layout,
 runs the converter there on it, and compares what it wrote with our export: every tensor must come through
 unchanged and the draft layer's rope_theta must be the target's (a converter that falls back to 10000 makes a head
 whose hidden states differ). It exits with 0 when they match, 1 when they do not, and 2 with a message when
@@ -44,7 +44,9 @@ def speculators_python(venv: Path) -> Path:
     """The venv's interpreter with speculators installed, or exit 2 saying why it could not be installed."""
     python = venv / "bin" / "python"
     if not python.is_file():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        # The venv sees this environment's packages (torch above all, which speculators accepts) and installs only
+        # what speculators pins differently (transformers) or adds, on top.
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     probe = subprocess.run([str(python), "-c", "import speculators"], capture_output=True)
     if probe.returncode != 0:
         install = subprocess.run([str(python), "-m", "pip", "install", "speculators"], capture_output=True, text=True)
