@@ -7,7 +7,8 @@ on top of this environment's packages, kept for later runs). The script exports 
 by default) in the vLLM layout, runs the converter there on it, and compares what it wrote with our export: every
 tensor must come through unchanged and the draft layer's rope_theta must be the target's (a converter that falls
 back to 10000 makes a head whose hidden states differ). It exits with 0 when they match, 1 when they do not, and 2
-with a message when speculators cannot be installed or run here. """
+with a message when speculators cannot be installed or run here.
+"""
 
 from __future__ import annotations
 
