@@ -113,12 +113,15 @@ class BatchedDecoder:
     ``runtime.decoder.SpeculativeDecoder``. ``stats`` describes the latest run (``BatchStats``). ``monitor``: the
     proposer's rolling depth-1 acceptance over every row of every run, with a warning when it stays far below what
     its head measured in training (``runtime.monitor.AcceptanceMonitor``); a row's own rate is its result's
-    ``depth_acceptance[0]``.
+    ``depth_acceptance[0]``. draft_together: greedy rows draft in one proposer call where the proposer can
+    (``propose_rows``); False drafts every row alone, as sampled rows always do (``scripts/bench_batch_drafting.py``
+    measures one against the other).
     """
 
     def __init__(self, target: Target, proposer: Proposer | None = None, tree_size: int | None = None,
-                 attention: str = "auto", acceptance: str = "exact"):
+                 attention: str = "auto", acceptance: str = "exact", draft_together: bool = True):
         self.target = target
+        self.draft_together = draft_together
         self.proposer = proposer if proposer is not None else NoProposer()
         self.attention = checked_backend(target, attention, acceptance, tree_size)
         self.acceptance = acceptance
@@ -296,7 +299,7 @@ class BatchedDecoder:
         else:
             steps = [ProposeInput(row.history[:row.length], row.new_hidden, row.new_layer_hidden, self.tree_size,
                                   sampling, row.generator, row.extra_logits) for row in rows]
-            if greedy:
+            if greedy and self.draft_together:
                 # Greedy output does not depend on the trees, so a head may draft for all rows in one pass (its
                 # trees can differ by rounding with the batch's shape); a sampled row's draws depend on its tree,
                 # which must not depend on its neighbours, so it drafts alone.

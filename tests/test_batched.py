@@ -455,3 +455,14 @@ def test_a_run_without_drafting_never_calls_the_proposer():
     prompts = [[1, 2, 3], list(range(10, 30))]
     results = BatchedDecoder(target, Refusing(), tree_size=1).generate(prompts, 12, batch_size=2)
     assert [r.tokens for r in results] == [hf_greedy("llama", p, 12) for p in prompts]
+
+
+@pytest.mark.parametrize("name", ["eagle3+ngram", "medusa"])
+def test_greedy_rows_drafting_alone_or_together_decode_the_same(name, monkeypatch):
+    """draft_together=False drafts row by row (propose_rows is never called); both modes match HF greedy."""
+    target = target_for("llama")
+    references = [hf_greedy("llama", prompt) for prompt in PROMPTS]
+    proposer = head_proposers(target)[name]
+    check_rows(BatchedDecoder(target, proposer, tree_size=6), references, 3, f"{name}/together")
+    monkeypatch.setattr(type(proposer), "propose_rows", lambda *args: pytest.fail("drafted together"))
+    check_rows(BatchedDecoder(target, proposer, tree_size=6, draft_together=False), references, 3, f"{name}/alone")

@@ -57,15 +57,18 @@ class MedusaProposer:
     def start(self, prompt: torch.Tensor, max_length: int) -> None:
         return None
 
-    @torch.inference_mode()
     def propose(self, state: None, step: ProposeInput) -> Tree:
-        return self.propose_rows([state], [step])[0]
+        return self._trees([step])[0]
 
-    @torch.inference_mode()
     def propose_rows(self, states: list[None], steps: list[ProposeInput]) -> list[Tree]:
         """``propose`` for several generations, every root's hidden state through the heads in one product."""
         if len({step.tree_size for step in steps}) > 1:  # one set of choices serves one tree size
-            return [self.propose_rows([state], [step])[0] for state, step in zip(states, steps)]
+            return [self._trees([step])[0] for step in steps]
+        return self._trees(steps)
+
+    @torch.inference_mode()
+    def _trees(self, steps: list[ProposeInput]) -> list[Tree]:
+        """One tree per step (all of one tree size)."""
         tree_size = steps[0].tree_size
         if tree_size <= 1:  # the decoder verifies the root alone (plain decoding): nothing to draft
             return [Tree.chain(int(step.history[-1]), [], device=step.history.device) for step in steps]
