@@ -101,6 +101,7 @@ class _Row:
     new_layer_hidden: tuple[torch.Tensor, ...] = ()
     pending: list[int] | None = None  # tokens from the last pass not yet emitted
     extra_logits: torch.Tensor | None = None  # [E, V]: the last pass's logits at this row's extra rows
+    recorded: list[tuple[torch.Tensor, ...]] | None = None  # record_layers: (hidden, layer inputs...) per pass
 
 
 class BatchedDecoder:
@@ -116,13 +117,22 @@ class BatchedDecoder:
     ``depth_acceptance[0]``. draft_together: greedy rows draft in one proposer call where the proposer can
     (``propose_rows``); False drafts every row alone, as sampled rows always do (``scripts/bench_batch_drafting.py``
     measures one against the other).
+
+    record_layers: when given, each result carries ``features`` (``recorded_features``): the target's hidden
+    states at every position of prompt + output that the passes computed, the last hidden state and the inputs of
+    these decoder layers, as training reads them (``training.recorded``). They come from the passes that verified
+    the tokens, so recording costs no extra target pass.
     """
 
     def __init__(self, target: Target, proposer: Proposer | None = None, tree_size: int | None = None,
-                 attention: str = "auto", acceptance: str = "exact", draft_together: bool = True):
+                 attention: str = "auto", acceptance: str = "exact", draft_together: bool = True,
+                 record_layers: Sequence[int] | None = None):
         self.target = target
         self.draft_together = draft_together
         self.proposer = proposer if proposer is not None else NoProposer()
+        self.record_layers = None if record_layers is None else tuple(int(i) for i in record_layers)
+        # the layer inputs every pass returns: the proposer's first, then the recorded ones
+        self.pass_layers = tuple(self.proposer.hidden_layers) + (self.record_layers or ())
         self.attention = checked_backend(target, attention, acceptance, tree_size)
         self.acceptance = acceptance
         self.fixed_tree_size = tree_size
@@ -133,6 +143,14 @@ class BatchedDecoder:
         self.tree_size = tree_size
         self.stats = BatchStats()
         self.monitor = monitor_for(self.proposer)
+
+    def _record(self, row: _Row, hidden: torch.Tensor, layer_hidden: tuple[torch.Tensor, ...]) -> None:
+        """Keep a pass's hidden states [n, H] (and recorded layers' inputs) of ``row``'s newly verified positions,
+        on the CPU: a generation's features are read when it ends."""
+        if row.recorded is None:
+            return
+        mine = layer_hidden[len(self.pass_layers) - len(self.record_layers):]
+        row.recorded.append(tuple(t.to("cpu", copy=True) for t in (hidden, *mine)))
 
     def tree_size_report(self) -> dict:
         """How the tree size was chosen (as ``SpeculativeDecoder.tree_size_report``; the size never changes here)."""
@@ -212,6 +230,9 @@ class BatchedDecoder:
                     stats.tokens += len(emitted)
                 if row.result.stop_reason != "running":
                     row.result.seconds = time.perf_counter() - row.started
+                    if row.recorded is not None:
+                        row.result.features = recorded_features(row.recorded, self.record_layers,
+                                                                row.length + len(emitted))
                     rows[slot] = None
                     yield row.index, row.result
                     continue
@@ -265,8 +286,9 @@ class BatchedDecoder:
         # the cascade has nothing to gain over an empty cache, and its masked path is the reference kernel: a ragged
         # prefill (a mask) goes through SDPA's masked kernels instead; a lone prompt keeps the causal fast path
         backend = "sdpa" if mask is not None and self.attention == "cascade" else self.attention
-        out = target.forward(tokens, positions, cache, mask, logits_from=width, hidden_layers=proposer.hidden_layers,
+        out = target.forward(tokens, positions, cache, mask, logits_from=width, hidden_layers=self.pass_layers,
                              backend=backend, prefix_len=0)
+        proposer_layers = len(proposer.hidden_layers)
         count = torch.tensor(lengths, device=device)
         cache.commit(count)
         last = out.hidden[torch.arange(batch, device=device), count - 1]  # [B, H]
@@ -283,7 +305,10 @@ class BatchedDecoder:
                        GenerationResult([], [], 1, 0.0, "length"), started)
             if proposer.needs_hidden:
                 row.new_hidden = out.hidden[b, :length]
-            row.new_layer_hidden = tuple(h[b, :length] for h in out.layer_hidden)
+            row.new_layer_hidden = tuple(h[b, :length] for h in out.layer_hidden[:proposer_layers])
+            if self.record_layers is not None:
+                row.recorded = []
+                self._record(row, out.hidden[b, :length], tuple(h[b, :length] for h in out.layer_hidden))
             row.pending = [first]
             rows.append(row)
         return rows
@@ -339,8 +364,9 @@ class BatchedDecoder:
             mask[b, 0, padding, start + padding] = True
             key_positions[b, start:start + nodes] = positions[b]
         out = target.forward(tokens.to(device), positions.to(device), cache, mask.to(device),
-                             hidden_layers=proposer.hidden_layers, backend=self.attention,
+                             hidden_layers=self.pass_layers, backend=self.attention,
                              prefix_len=min(committed), key_positions=key_positions.to(device))
+        proposer_layers = len(proposer.hidden_layers)
         argmax = out.logits.argmax(-1).cpu() if greedy else None
         paths: list[tuple[list[int], int]] = []
         for b, (row, tree) in enumerate(zip(rows, trees)):
@@ -363,7 +389,23 @@ class BatchedDecoder:
             count_depths(result, tree, len(path) - 1)
             self.monitor.observe(tree.max_depth, len(path) - 1)
             row.pending = cpu_trees[b][0][path[1:]].tolist() + [bonus]
-            if proposer.needs_hidden or proposer.hidden_layers:
+            if proposer.needs_hidden or proposer.hidden_layers or row.recorded is not None:
                 index = torch.tensor(path, device=device)
                 row.new_hidden = out.hidden[b, index] if proposer.needs_hidden else None
-                row.new_layer_hidden = tuple(h[b, index] for h in out.layer_hidden)
+                row.new_layer_hidden = tuple(h[b, index] for h in out.layer_hidden[:proposer_layers])
+                if row.recorded is not None:
+                    self._record(row, out.hidden[b, index], tuple(h[b, index] for h in out.layer_hidden))
+
+
+def recorded_features(recorded: list[tuple[torch.Tensor, ...]], layers: tuple[int, ...],
+                      length: int) -> dict[str, torch.Tensor]:
+    """A finished row's features over its first ``length`` positions (prompt + output) or as many as its passes
+    computed (all but the last output token, whose pass never ran; fewer when a stop cut a pass short):
+    {"hidden": [n, H]} (after the final norm), with "layer_hidden": [n, len(layers) * H] (the recorded layers'
+    inputs side by side) when ``layers``."""
+    parts = list(zip(*recorded))
+    hidden = torch.cat(parts[0])[:length]
+    features = {"hidden": hidden}
+    if layers:
+        features["layer_hidden"] = torch.cat([torch.cat(layer) for layer in parts[1:]], dim=-1)[:length]
+    return features

@@ -34,6 +34,7 @@ class GenerationResult:
     depth_attempts: list[int] = field(default_factory=list)
     depth_accepts: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0  # time spent in the proposer (the rest is target passes and bookkeeping)
+    features: dict | None = None  # the target's hidden states, when the batched decoder records them
 
     @property
     def tau(self) -> float:

@@ -7,6 +7,9 @@
                or sampled, resumable) into a JSONL that `data=selfdistill data.path=FILE` selects:
                  python scripts/prepare_data.py selfdistill --out sd.jsonl --max-new-tokens 256 \
                      --proposer eagle3+ngram --dtype bfloat16 data.max_samples=500
+               with --features DIR, the target's hidden states from the passes that generated the replies are
+               recorded too (the layers the configured head= reads), and training reads them without a target pass:
+                 python training/train.py head=eagle3 features.mode=recorded features.dir=DIR
 
 Trailing key=value arguments are the training config's overrides (target, data, head, features, ...). The work is
 done by training.recipe.prepare_features and training.selfdistill.self_distill.
@@ -41,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     distill.add_argument("--seed", type=int, default=0)
     distill.add_argument("--dtype", choices=("float32", "bfloat16"),
                          help="the target's dtype while generating (default: the config's target.dtype)")
-    distill.add_argument("overrides", nargs="*", help="training config overrides (key=value): target, data")
+    distill.add_argument("--features", help="also record the target's features into this directory (a recorded "
+                                            "store, resumable) for features.mode=recorded")
+    distill.add_argument("overrides", nargs="*", help="training config overrides (key=value): target, data, head")
     args = parser.parse_args(argv)
 
     from training.config import compose_config
@@ -57,12 +62,13 @@ def main(argv: list[str] | None = None) -> int:
 
         settings = DistillSettings(max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
                                    batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
-                                   seed=args.seed, dtype=args.dtype,
+                                   seed=args.seed, dtype=args.dtype, features_dir=args.features,
                                    proposer=None if args.proposer == "none" else parse_proposer(args.proposer))
         stats = self_distill(compose_config(args.overrides), args.out, settings)
         print(f"{stats.conversations} self-distilled conversations added to {args.out} ({stats.tokens} reply "
               f"tokens, {stats.tokens_per_s:.1f} tokens/s); train on them with data=selfdistill "
-              f"data.path={args.out}")
+              f"data.path={args.out}" + (f", or on the recorded features with features.mode=recorded "
+                                         f"features.dir={args.features}" if args.features else ""))
     return 0
 
 

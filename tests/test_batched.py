@@ -466,3 +466,33 @@ def test_greedy_rows_drafting_alone_or_together_decode_the_same(name, monkeypatc
     check_rows(BatchedDecoder(target, proposer, tree_size=6), references, 3, f"{name}/together")
     monkeypatch.setattr(type(proposer), "propose_rows", lambda *args: pytest.fail("drafted together"))
     check_rows(BatchedDecoder(target, proposer, tree_size=6, draft_together=False), references, 3, f"{name}/alone")
+
+
+@pytest.mark.parametrize("name", ["none", "ngram", "eagle3"])
+def test_recorded_features_are_the_targets_hidden_states(name):
+    """The features a batched run records (from its prefill and verification passes, rows joining late and
+    stopping early) equal one causal forward over each prompt + output: the last hidden state and the inputs of
+    the recorded layers, at every position whose pass ran (all but the last output token, unless a stop cut a pass
+    short after a drafted token)."""
+    target = target_for("llama")
+    proposer = {"none": None, "ngram": NgramProposer(),
+                "eagle3": head_proposers(target)["eagle3"]}[name]
+    layers = (1, 0)
+    decoder = BatchedDecoder(target, proposer, tree_size=6, attention="sdpa", record_layers=layers)
+    results = decoder.generate(PROMPTS, NEW_TOKENS, batch_size=3)
+    plain = BatchedDecoder(target, proposer, tree_size=6, attention="sdpa").generate(PROMPTS, NEW_TOKENS,
+                                                                                      batch_size=3)
+    assert [r.tokens for r in results] == [r.tokens for r in plain]  # recording changes no output
+    assert all(r.features is None for r in plain)
+    for prompt, result in zip(PROMPTS, results):
+        sequence = torch.tensor([prompt + result.tokens])
+        with torch.no_grad():
+            outputs = target.model.model(input_ids=sequence, output_hidden_states=True)
+        features = result.features
+        count = features["hidden"].shape[0]
+        assert count in (len(prompt) + len(result.tokens) - 1, len(prompt) + len(result.tokens))
+        torch.testing.assert_close(features["hidden"], outputs.last_hidden_state[0, :count], atol=1e-4, rtol=1e-4)
+        expected = torch.cat([outputs.hidden_states[i][0, :count] for i in layers], dim=-1)
+        torch.testing.assert_close(features["layer_hidden"], expected, atol=1e-4, rtol=1e-4)
+    if name != "none":
+        assert decoder.stats.tau > 1.0, "nothing was accepted: the test would not see tree nodes recorded"

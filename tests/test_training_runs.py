@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -478,3 +479,65 @@ def test_stop_after_keeps_the_schedule_and_a_killed_run_finishes_with_an_evaluat
     assert json.loads((tmp_path / "whole" / "head" / "config.json").read_text())["training"]["step"] == 2
     with pytest.raises(ValueError, match="stop_after"):
         run_config(tiny, tmp_path / "bad", "eagle", 4, ["trainer.stop_after=5"])
+
+
+def test_features_recorded_while_self_distilling_train_a_head(tiny, tmp_path):
+    """Self-distillation records each reply's sample (prompt + reply ids as generated) with the target's features
+    from the passes that generated it; they equal a fresh target forward; a resumed run adds no sample twice; a
+    training run reads them as its data and features (no target pass); other settings are refused."""
+    from runtime.proposers import ProposerSpec
+    from runtime.target import load_target
+    from training.features import target_features
+    from training.recorded import RecordedStore
+    from training.selfdistill import DistillSettings, prompt_ids, self_distill
+
+    target_dir, data = tiny
+    overrides = tiny_overrides(target_dir, data, tmp_path / "unused", "eagle3", extra=["data.max_samples=6",
+                                                                                        "data.val_samples=2"])
+    conf = compose_config(overrides)
+    out, store_dir = tmp_path / "sd.jsonl", tmp_path / "store"
+    settings = DistillSettings(max_new_tokens=16, batch_size=3, chunk=4, proposer=ProposerSpec("ngram"),
+                               features_dir=str(store_dir))
+    self_distill(conf, out, settings)
+    records = {json.loads(line)["id"]: json.loads(line)["messages"] for line in out.read_text().splitlines()}
+    store = RecordedStore(store_dir, max_length=10_000)
+    assert store.keys == [f"c{i}.t0" for i in range(8)] and sorted(records) == list(range(8))
+    assert store.description["feature_layers"] == [0, 1, 1]
+    target = load_target(str(target_dir))
+    tokenizer = target.tokenizer
+    for conversation, messages in records.items():
+        key = f"c{conversation}.t0"
+        sample = store.tokens(key)
+        ids = torch.tensor(sample["input_ids"])
+        prompt = prompt_ids(tokenizer, None, messages[:-1], conf.data.max_length)
+        assert ids[:prompt.numel()].tolist() == prompt.tolist() and not any(sample["assistant_mask"][:prompt.numel()])
+        assert all(sample["assistant_mask"][prompt.numel():])
+        reply = tokenizer.decode(ids[prompt.numel():], skip_special_tokens=True).strip()
+        assert messages[-1]["content"].startswith(reply) and len(reply) > 0
+        expected = target_features(target, ids[None], [0, 1, 1])
+        for name, value in store.features(key).items():
+            torch.testing.assert_close(value.float(), expected[name][0], atol=2e-2, rtol=2e-2)
+    shards = sorted(p.name for p in store_dir.glob("shard-*"))
+    assert shards == ["shard-0000000.safetensors", "shard-0000004.safetensors"]
+    # killed after the second chunk's shard, before its replies reached the JSONL: it is generated again and its
+    # shard rewritten, not added
+    out.write_text("".join(line + "\n" for line in out.read_text().splitlines()[:4]))
+    self_distill(conf, out, settings)
+    assert RecordedStore(store_dir, max_length=10_000).keys == store.keys
+    assert sorted(p.name for p in store_dir.glob("shard-*")) == shards
+    with pytest.raises(ValueError, match="max_new_tokens"):  # what the features are of must not change mid-store
+        self_distill(conf, tmp_path / "other.jsonl", dataclasses.replace(settings, max_new_tokens=8))
+
+    summary = run_config(tiny, tmp_path / "run", "eagle3", 4, ["features.mode=recorded",
+                                                               f"features.dir={store_dir}", "data.val_samples=2",
+                                                               "eval.at_start=false", "trainer.lr=3e-3"])
+    assert summary["features"] == "recorded" and summary["final_eval"]["step"] == 4
+    medusa = run_config(tiny, tmp_path / "medusa", "medusa", 2, ["features.mode=recorded",
+                                                                 f"features.dir={store_dir}", "data.val_samples=2"])
+    assert medusa["steps"] == 2  # a store recorded for EAGLE-3 holds the last hidden state every head reads
+    with pytest.raises(ValueError, match="feature_layers"):
+        run_config(tiny, tmp_path / "layers", "eagle3", 1, ["features.mode=recorded", f"features.dir={store_dir}",
+                                                            "data.val_samples=2", "head.feature_layers=[1,1,1]"])
+    with pytest.raises(FileNotFoundError, match="not a recorded store"):
+        run_config(tiny, tmp_path / "none", "eagle3", 1, ["features.mode=recorded",
+                                                          f"features.dir={tmp_path / 'nothing'}"])

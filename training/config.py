@@ -109,8 +109,11 @@ class DataConf:
 
 @dataclass
 class FeaturesConf:
-    mode: str = "online"  # online: frozen target forward inside each step; offline: read dumped features
-    dir: str | None = None  # offline store (default: the cache directory, keyed by target + data + layers)
+    # online: frozen target forward inside each step; offline: read dumped features; recorded: train on a store
+    # recorded while self-distilling (its samples are the data; training/recorded.py)
+    mode: str = "online"
+    dir: str | None = None  # offline store (default: the cache directory, keyed by target + data + layers); recorded
+    # store (required)
     topk: int = 0  # offline: store the target's top-k log-probs (0: recompute exact logits from the stored hidden)
     dtype: str = "float32"  # storage dtype of offline hidden states
     batch_size: int = 8  # extraction batch
@@ -222,8 +225,11 @@ def validate(config: TrainConfig) -> None:
     if config.head.head_type not in HEAD_TYPES:
         problems.append(f"head.head_type={config.head.head_type!r}: choose one of "
                         + ", ".join(f"head={name}" for name in HEAD_TYPES))
-    if config.features.mode not in ("online", "offline"):
-        problems.append(f"features.mode={config.features.mode!r}: choose online or offline")
+    if config.features.mode not in ("online", "offline", "recorded"):
+        problems.append(f"features.mode={config.features.mode!r}: choose online, offline or recorded")
+    if config.features.mode == "recorded" and not config.features.dir:
+        problems.append("features.mode=recorded trains on a recorded store: pass features.dir=<DIR written by "
+                        "scripts/prepare_data.py selfdistill --features DIR>")
     if config.deepspeed.stage not in (0, 1, 2, 3):
         problems.append(f"deepspeed.stage={config.deepspeed.stage}: choose 0, 1, 2 or 3")
     if config.deepspeed.offload_param and config.deepspeed.stage != 3:

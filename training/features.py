@@ -140,19 +140,24 @@ class OfflineFeatures:
         return {key[len(prefix):]: handle.get_tensor(key) for key in handle.keys() if key.startswith(prefix)}
 
     def batch(self, indices: list[int], length: int, device, dtype) -> dict[str, torch.Tensor]:
-        samples = [self.sample(i) for i in indices]
-        out = {}
-        for name in samples[0]:
-            first = samples[0][name]
-            padded = torch.zeros((len(indices), length, *first.shape[1:]), dtype=first.dtype)
-            for row, sample in enumerate(samples):
-                padded[row, : sample[name].shape[0]] = sample[name]
-            if name == "topk_ids":
-                padded = padded.long()
-            elif padded.is_floating_point() and name != "topk_logprobs":
-                padded = padded.to(dtype)
-            out[name] = padded.to(device)
-        return out
+        return pad_features([self.sample(i) for i in indices], length, device, dtype)
+
+
+def pad_features(samples: list[dict[str, torch.Tensor]], length: int, device, dtype) -> dict[str, torch.Tensor]:
+    """Samples' features ({name: [T_i, ...]}) right-padded with zeros to [B, length, ...] like ``data.collate``;
+    hidden states in ``dtype`` (top-k log-probs stay fp32, top-k ids become long), on ``device``."""
+    out = {}
+    for name in samples[0]:
+        first = samples[0][name]
+        padded = torch.zeros((len(samples), length, *first.shape[1:]), dtype=first.dtype)
+        for row, sample in enumerate(samples):
+            padded[row, : sample[name].shape[0]] = sample[name]
+        if name == "topk_ids":
+            padded = padded.long()
+        elif padded.is_floating_point() and name != "topk_logprobs":
+            padded = padded.to(dtype)
+        out[name] = padded.to(device)
+    return out
 
 
 DATA_SETTINGS = ("source", "path", "split", "subset", "max_samples", "val_samples", "seed", "max_length",

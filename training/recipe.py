@@ -4,7 +4,8 @@
 
 setup     processes and devices; with resume=true the checkpoint to continue, checked before anything slow
           (training/checkpoints.py); the frozen target; the tokenized splits; the head (fresh, or ``init_from``) and
-          its objective (Medusa-2: with LoRA adapters on the target); the offline feature store when asked for; the
+          its objective (Medusa-2: with LoRA adapters on the target); the offline feature store when asked for (or
+          the recorded store, whose samples are then the data: training/recorded.py); the
           DeepSpeed engine (ZeRO 0-3); the progress of a resumed run; the tracker.
 train     the optimizer steps: micro-batches in a fixed global sample order, target features (a frozen forward, or
           the offline store), the loss, DeepSpeed's backward and step; evaluation and checkpoints on their cadence.
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from heads.common import frozen_target_weights, target_signature
+from heads.common import frozen_target_weights, target_signature, tokenizer_fingerprint
 from heads.formats import load_any_head
 from heads.io import save_head
 from heads.registry import build_head, head_class
@@ -47,6 +48,7 @@ from training.evaluate import eval_depth, evaluate_acceptance, prepare_batch
 from training.features import OfflineFeatures, prepare_offline_store, target_features
 from training.metrics import acceptance_rates
 from training.objectives import HeadObjective
+from training.recorded import RecordedFeatures, RecordedStore
 from training.tracking import Tracker
 
 
@@ -70,7 +72,7 @@ class TrainRecipe:
     lora_model: object | None  # Medusa-2: the peft-wrapped target whose adapters train
     objective: HeadObjective  # the head and its loss; the module DeepSpeed wraps
     feature_layers: list[int]  # target layers whose inputs the head reads (EAGLE-3), else []
-    offline: OfflineFeatures | None  # features.mode=offline: the store
+    offline: OfflineFeatures | RecordedFeatures | None  # features.mode=offline or recorded: the store
     engine: object  # deepspeed.DeepSpeedEngine around the objective
     compute_dtype: torch.dtype
     tracker: Tracker
@@ -97,9 +99,18 @@ class TrainRecipe:
         resume_tag = self.choose_checkpoint()
         torch.manual_seed(conf.trainer.seed)
 
+        recorded = None  # features.mode=recorded: the store, opened (and checked) before anything slow
+        if conf.features.mode == "recorded":
+            recorded = RecordedStore(conf.features.dir, conf.data.max_length)
         self.target = load_target_once(conf, self.dist)
         self.pad_id = pad_token_id(self.target.tokenizer)
-        splits = load_splits(conf.data, self.target.tokenizer, self.dist.is_main, ds.barrier)
+        if recorded is not None:  # the store's samples are the data
+            recorded.check(self.target.identity, tokenizer_fingerprint(self.target.tokenizer), [])
+            data = conf.data
+            splits, recorded_keys = recorded.splits(data.val_samples, data.max_samples, data.seed,
+                                                    data.min_assistant_tokens)
+        else:
+            splits = load_splits(conf.data, self.target.tokenizer, self.dist.is_main, ds.barrier)
         self.train_split = splits["train"]
         val_split = splits["validation"]
         val_rows = list(range(min(conf.eval.max_samples, len(val_split))))
@@ -119,6 +130,9 @@ class TrainRecipe:
             store = prepare_offline_store(conf, self.target, self.train_split, self.feature_layers, self.pad_id,
                                           self.dist)
             self.offline = OfflineFeatures(store, len(self.train_split))
+        elif recorded is not None:
+            recorded.check(self.target.identity, tokenizer_fingerprint(self.target.tokenizer), self.feature_layers)
+            self.offline = RecordedFeatures(recorded, recorded_keys)
 
         self.engine, self.compute_dtype = self.setup_engine()
         tracker_id = self.restore_checkpoint(resume_tag) if resume_tag else None

@@ -4,7 +4,8 @@ A head trained on the target's own replies learns what it will be asked to draft
 records ``{"id", "messages"}`` (``data=selfdistill data.path=FILE`` trains on them); scripts/prepare_data.py
 selfdistill is its command line. Generating the replies is the slow part, so it runs on the serving runtime: the
 batched decoder with continuous batching, drafting with a head or prompt lookup (lossless: the replies are the
-target's own, greedy or sampled), in the faster dtype when asked.
+target's own, greedy or sampled), in the faster dtype when asked. With ``features_dir`` the target's hidden states
+from those same passes are recorded beside the replies (training/recorded.py), so training needs no target pass.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from runtime.target import load_target
 from training.config import TrainConfig, validate
 from training.data import collect_conversations, resolve_template
 from training.recipe import target_dtype
+from training.recorded import RecordingWriter, recorded_layers, recorded_sample, sample_key
+
+STORE_DTYPE = torch.bfloat16  # recorded features' storage: what offline stores use for hidden states at scale
 
 
 def finished_ids(out: Path) -> set[int]:
@@ -83,6 +87,9 @@ class DistillSettings:
     conversation's turn t from its own seed (``runtime.prompts.prompt_seed(seed, conversation, t)``), so a resumed
     run generates what an uninterrupted one would. dtype: the target's dtype for generating (None: the training
     config's ``target.dtype``); bfloat16 is the faster one on most CPUs (scripts/benchmark.py measures both).
+    features_dir: also record each reply's sample with the target's features into this recorded store
+    (``training.recorded``; the layers ``conf.head`` reads), for ``features.mode=recorded``. Conversations the
+    JSONL already held when recording started are not recorded.
     """
 
     max_new_tokens: int = 256
@@ -94,6 +101,7 @@ class DistillSettings:
     top_p: float | None = None
     seed: int = 0
     dtype: str | None = None
+    features_dir: str | None = None
 
     def __post_init__(self):
         for name in ("max_new_tokens", "max_turns", "batch_size", "chunk"):
@@ -145,9 +153,13 @@ def self_distill(conf: TrainConfig, out: Path, settings: DistillSettings = Disti
     target = load_target(conf.target.name, dtype=settings.dtype or target_dtype(conf, device), device=device,
                          trust_remote_code=conf.target.trust_remote_code, attn_implementation="sdpa")
     proposer = build_proposer(settings.proposer, target) if settings.proposer is not None else NoProposer()
-    decoder = BatchedDecoder(target, proposer)
     tokenizer = target.tokenizer
     template = resolve_template(tokenizer, conf.data.chat_template)  # the template the training samples use
+    writer, layers = None, None
+    if settings.features_dir is not None:
+        layers = recorded_layers(conf.head, target.num_layers)
+        writer = RecordingWriter(settings.features_dir, recording_description(conf, settings, target, layers))
+    decoder = BatchedDecoder(target, proposer, record_layers=layers)
     todo = [(index, c) for index, c in enumerate(conversations) if index not in done]
     out.parent.mkdir(parents=True, exist_ok=True)
     stats = DistillStats()
@@ -156,6 +168,7 @@ def self_distill(conf: TrainConfig, out: Path, settings: DistillSettings = Disti
         for start in range(0, len(todo), settings.chunk):
             chunk = todo[start: start + settings.chunk]
             results = [[] for _ in chunk]  # each conversation up to its latest regenerated reply
+            recorded = {}  # sample key -> sample, when recording
             pending = [list(c) for _, c in chunk]
             for turn in range(settings.max_turns):
                 prompts, rows = [], []
@@ -177,8 +190,13 @@ def self_distill(conf: TrainConfig, out: Path, settings: DistillSettings = Disti
                     reply = tokenizer.decode(result.tokens, skip_special_tokens=True).strip()
                     results[rows[number]].append({"role": "assistant", "content": reply})
                     stats.tokens += len(result.tokens)
+                    if writer is not None:
+                        recorded[sample_key(chunk[rows[number]][0], turn)] = recorded_sample(
+                            prompts[number], result.tokens, result.features, STORE_DTYPE)
                 stats.seconds += time.perf_counter() - started
                 bar.set_postfix(tokens_per_s=f"{stats.tokens_per_s:.1f}")
+            if writer is not None:
+                writer.write_chunk(chunk[0][0], recorded)  # before the JSONL: a chunk there has its features
             for (index, _), messages in zip(chunk, results):
                 while messages and messages[-1]["role"] != "assistant":
                     messages.pop()  # end on the last regenerated reply
@@ -190,3 +208,16 @@ def self_distill(conf: TrainConfig, out: Path, settings: DistillSettings = Disti
             bar.update(len(chunk))
     bar.close()
     return stats
+
+
+def recording_description(conf: TrainConfig, settings: DistillSettings, target, layers: list[int]) -> dict:
+    """What a recorded store's features are of (``training.recorded.RECORDING_SETTINGS``, then context)."""
+    from heads.common import tokenizer_fingerprint
+
+    return {"target": target.identity, "tokenizer": tokenizer_fingerprint(target.tokenizer),
+            "feature_layers": list(layers), "dtype": str(target.dtype).removeprefix("torch."),
+            "chat_template": conf.data.chat_template, "max_length": conf.data.max_length,
+            "generation": {"max_new_tokens": settings.max_new_tokens, "max_turns": settings.max_turns,
+                           "temperature": settings.temperature, "top_p": settings.top_p, "seed": settings.seed},
+            "storage": str(STORE_DTYPE).removeprefix("torch."),
+            "data": {"source": conf.data.source, "path": conf.data.path, "max_samples": conf.data.max_samples}}
