@@ -8,7 +8,9 @@ The prompts are the first user turns of the training conversations (ShareGPT by 
 the chat template as training.selfdistill builds them. Every method generates every prompt greedily, one method after
 another per round of ``--batch-size * 2`` prompts (rotated, so drift of the machine hits all alike), after a warm-up.
 Reported per method: total reply tokens/s, and for ours whether every reply equals plain decoding's (the runtime is
-lossless, so it must). Run it with nothing else on the machine.
+lossless, so it must). A method named with ``+record`` (``none+record``, ``eagle3+ngram+record``) also records the
+target's features as ``prepare_data.py selfdistill --features`` does (the last hidden state and EAGLE-3's default
+layers' inputs), which measures what recording costs. Run it with nothing else on the machine.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from heads.eagle3 import default_feature_layers
 from runtime.batched import BatchedDecoder
 from runtime.benchmark import machine_description, run_hf_batch, write_atomically
 from runtime.prompts import batch_pad_token_id
@@ -34,6 +37,7 @@ from training.selfdistill import prompt_ids
 from cli import check_output_path, parse_proposer, positive_int, usage_error  # scripts/cli.py
 
 HF = "hf-greedy"
+RECORD = "+record"
 
 
 def parse_args(argv=None):
@@ -56,7 +60,8 @@ def main(argv=None) -> int:
     names = [name.strip() for name in args.methods.split(",") if name.strip()]
     if "none" not in names:
         raise usage_error("--methods", "include none: our other methods' replies are checked against it")
-    specs = {name: parse_proposer(name, flag="--methods") for name in names if name not in (HF, "none")}
+    specs = {name: parse_proposer(name.removesuffix(RECORD), flag="--methods") for name in names
+             if name.removesuffix(RECORD) not in (HF, "none")}
     conf = compose_config(args.overrides + [f"data.max_samples={args.conversations}"])
     target = load_target(conf.target.name, dtype=args.dtype)
     template = resolve_template(target.tokenizer, conf.data.chat_template)
@@ -66,8 +71,13 @@ def main(argv=None) -> int:
         first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
         if first:
             prompts.append(prompt_ids(target.tokenizer, template, messages[:first], conf.data.max_length))
-    decoders = {"none": BatchedDecoder(target, NoProposer())}
-    decoders.update({name: BatchedDecoder(target, build_proposer(spec, target)) for name, spec in specs.items()})
+    layers = default_feature_layers(target.num_layers)
+
+    def decoder(name):
+        proposer = build_proposer(specs[name], target) if name in specs else NoProposer()
+        return BatchedDecoder(target, proposer, record_layers=layers if name.endswith(RECORD) else None)
+
+    decoders = {name: decoder(name) for name in names if name != HF}
     eos = sorted(target.eos_token_ids)
     pad = batch_pad_token_id(target.tokenizer)
 
