@@ -59,6 +59,17 @@ def test_short_run_lowers_loss_and_raises_acceptance(tiny, tmp_path, head):
     assert int(first[0]) == 0 and int(last[0]) == 24
     assert float(last[2]) < float(first[2]), "held-out loss did not fall"
     assert float(last[3]) > float(first[3]), "acc@1 did not rise over the untrained head"
+    assert curves[0].endswith(",tokens") and int(first[-1]) == 0
+    assert int(last[-1]) == summary["final_eval"]["tokens"] > 24 * 4  # every step's samples, padding excluded
+    if head == "eagle":  # the learning curve reads curves.csv back
+        from training.tracking import plot_learning_curves, read_curves
+
+        read = read_curves(tmp_path / "run" / "curves.csv")
+        assert read[-1]["tokens"] == summary["final_eval"]["tokens"]
+        assert read[-1]["acc"] == pytest.approx(summary["final_eval"]["acc"], abs=1e-4)
+        with pytest.raises(ValueError, match="log axis"):
+            plot_learning_curves({"run": (read, 0)}, tmp_path / "curve.png")  # step 0 has trained on nothing
+        assert plot_learning_curves({"run": (read, 1000)}, tmp_path / "curve.png").stat().st_size > 0
     assert (tmp_path / "run" / "curves.png").stat().st_size > 0
     saved = json.loads((tmp_path / "run" / "head" / "config.json").read_text())
     assert saved["tree"]["acceptance"] == summary["final_eval"]["acc"]  # runtime tree calibration
@@ -320,7 +331,7 @@ def test_existing_run_needs_resume(tiny, tmp_path):
 
 
 def curves(run_dir: Path) -> list[list[float]]:
-    """curves.csv as numbers: one row per evaluation (step, tau, val_loss, acc@1..K)."""
+    """curves.csv as numbers: one row per evaluation (step, tau, val_loss, acc@1..K, tokens)."""
     return [[float(x) for x in line.split(",")] for line in (run_dir / "curves.csv").read_text().splitlines()[1:]]
 
 
@@ -452,7 +463,7 @@ def test_init_from_continues_a_trained_head(tiny, tmp_path):
                                                                "eval.at_start=true"])
     start = json.loads((tmp_path / "again" / "summary.json").read_text())
     assert first["final_eval"]["acc"] == pytest.approx(
-        [float(x) for x in (tmp_path / "again" / "curves.csv").read_text().splitlines()[1].split(",")[3:]],
+        [float(x) for x in (tmp_path / "again" / "curves.csv").read_text().splitlines()[1].split(",")[3:-1]],
         abs=1e-4), "the continued run did not start from the saved head"
     assert start["steps"] == 1 and again["final_eval"]["step"] == 1
     with pytest.raises(ValueError, match="init_from=.* holds a eagle3 head"):

@@ -84,8 +84,10 @@ class TrainRecipe:
         self.conf = conf
         self.run_dir = Path(conf.output_dir)
         self.checkpoints = self.run_dir / "checkpoints"
-        # ----- progress: optimizer steps done, evaluations so far, tokens/s of the steps this process ran
+        # ----- progress: optimizer steps done, tokens trained on (all ranks), evaluations so far, tokens/s of the
+        # steps this process ran
         self.step = 0
+        self.tokens = 0
         self.history: list[dict] = []
         self.step_rates: list[float] = []
         self.val_prepared: list[dict | None] = []  # this rank's held-out batches with features and branches
@@ -187,6 +189,7 @@ class TrainRecipe:
         """The engine state and progress of checkpoint ``tag``; returns its tracker run id."""
         client = checkpoints.load_tag(self.engine, self.checkpoints, tag)
         self.step, self.history = client["step"], client["history"]
+        self.tokens = client.get("tokens", 0)
         return client.get("tracker_id")
 
     # ----- train
@@ -202,8 +205,9 @@ class TrainRecipe:
         bar = tqdm(total=end, initial=start, desc=f"train {conf.head.head_type}", unit="step",
                    disable=not (self.dist.is_main and conf.trainer.progress), dynamic_ncols=True)
         for step in range(start, end):
-            loss, acc, rate = self.train_step(order, step)
+            loss, acc, rate, tokens = self.train_step(order, step)
             self.step = step + 1
+            self.tokens += tokens
             self.step_rates.append(rate)
             bar.set_postfix(loss=f"{loss:.4f}", acc=f"{acc:.3f}", tok_s=f"{rate:.0f}")
             bar.update(1)
@@ -222,8 +226,9 @@ class TrainRecipe:
             if stale or not (self.run_dir / "head").is_dir():
                 self.save()
 
-    def train_step(self, order: SampleOrder, step: int) -> tuple[float, float, float]:
-        """Optimizer step ``step``: grad_accum micro-batches on every rank -> (mean loss, mean acc, tokens/s)."""
+    def train_step(self, order: SampleOrder, step: int) -> tuple[float, float, float, int]:
+        """Optimizer step ``step``: grad_accum micro-batches on every rank -> (mean loss, mean acc, tokens/s,
+        tokens)."""
         trainer, dist = self.conf.trainer, self.dist
         started = time.perf_counter()
         totals = torch.zeros(4, dtype=torch.float64)  # tokens, loss, acc, micro-batches
@@ -239,7 +244,7 @@ class TrainRecipe:
                                    dtype=torch.float64)
         totals = ds.all_reduce_sum(totals.to(dist.device)).cpu()
         rate = float(totals[0]) / (time.perf_counter() - started)
-        return float(totals[1] / totals[3]), float(totals[2] / totals[3]), rate
+        return float(totals[1] / totals[3]), float(totals[2] / totals[3]), rate, int(totals[0])
 
     def training_batch(self, indices: list[int]) -> dict:
         """Training samples ``indices``, padded, on this process's device, with their target features."""
@@ -264,7 +269,8 @@ class TrainRecipe:
         result = evaluate_acceptance(self.engine.module, self.val_prepared, self.depth, dist.rank, dist.world,
                                      ds.all_reduce_sum)
         acc, tau = acceptance_rates(result["reached"])
-        self.history.append({"step": self.step, "tau": tau, "val_loss": result["val_loss"], "acc": acc})
+        self.history.append({"step": self.step, "tokens": self.tokens, "tau": tau, "val_loss": result["val_loss"],
+                             "acc": acc})
         if dist.is_main:
             self.tracker.log_evaluation(self.history, self.step)
             tqdm.write(f"[eval step {self.step}] tau {tau:.3f}  "
@@ -288,7 +294,8 @@ class TrainRecipe:
     def save(self) -> None:
         """A DeepSpeed checkpoint of step ``self.step`` (every rank's shard), then the head directory (main)."""
         dist = self.dist
-        client = {"step": self.step, "history": self.history, "tracker_id": self.tracker.run_id}
+        client = {"step": self.step, "tokens": self.tokens, "history": self.history,
+                  "tracker_id": self.tracker.run_id}
         checkpoints.save_checkpoint(self.engine, self.checkpoints, self.step, client, dataclasses.asdict(self.conf),
                                     self.conf.checkpoint.keep, dist.is_main)
         with ds.full_parameters(self.engine.module):

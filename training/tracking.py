@@ -1,7 +1,8 @@
 """Experiment tracking: W&B (offline by default, files in the run directory) plus curves.csv and curves.png.
 
 Only the main process tracks. The acceptance history is the list of evaluations, each
-{"step", "tau", "val_loss", "acc": [acc@1..K]}; it travels in the checkpoint so a resumed run keeps its curves.
+{"step", "tokens" (trained on so far), "tau", "val_loss", "acc": [acc@1..K]}; it travels in the checkpoint so a
+resumed run keeps its curves.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ def write_curves(history: list[dict], run_dir: Path) -> tuple[Path, Path]:
     partial = csv_path.with_name(csv_path.name + ".partial")
     with open(partial, "w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["step", "tau", "val_loss"] + [f"acc@{k}" for k in range(1, depth + 1)])
+        writer.writerow(["step", "tau", "val_loss"] + [f"acc@{k}" for k in range(1, depth + 1)] + ["tokens"])
         for entry in history:
-            writer.writerow([entry["step"], f"{entry['tau']:.4f}", f"{entry['val_loss']:.5f}"]
-                            + [f"{value:.4f}" for value in entry["acc"]])
+            acc = [f"{value:.4f}" for value in entry["acc"]] + [""] * (depth - len(entry["acc"]))
+            writer.writerow([entry["step"], f"{entry['tau']:.4f}", f"{entry['val_loss']:.5f}"] + acc
+                            + [entry.get("tokens", "")])
     os.replace(partial, csv_path)
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -96,3 +98,53 @@ class Tracker:
         if self.run is not None:
             self.run.finish()
             self.run = None
+
+
+def read_curves(path: Path) -> list[dict]:
+    """curves.csv (``write_curves``) back as history entries; rows without a token count are skipped."""
+    with open(path, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    entries = []
+    for row in rows:
+        if not row.get("tokens"):
+            continue
+        acc = [float(row[key]) for key in row if key.startswith("acc@") and row[key]]
+        entries.append({"step": int(row["step"]), "tokens": int(row["tokens"]), "tau": float(row["tau"]),
+                        "val_loss": float(row["val_loss"]), "acc": acc})
+    return entries
+
+
+def plot_learning_curves(curves: dict[str, tuple[list[dict], int]], path: Path, depth: int = 3,
+                         title: str = "") -> Path:
+    """Held-out acc@1..``depth`` and tau against training tokens (log axis), one line style per curve.
+
+    curves: {label: (history entries, tokens the head had trained on before the run)}: a run continuing a trained
+    head starts at its earlier budget, so its first point is the head it started from."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    styles = ["-", "--", ":", "-."]
+    for (label, (history, offset)), style in zip(curves.items(), styles * len(curves)):
+        tokens = [offset + entry["tokens"] for entry in history]
+        if min(tokens) <= 0:
+            raise ValueError(f"{label}: a log axis needs positive token counts; give the head's earlier budget")
+        for k in range(depth):
+            left.plot(tokens, [entry["acc"][k] if len(entry["acc"]) > k else float("nan") for entry in history],
+                      style, marker="o", markersize=3, color=plt.cm.tab10(k), label=f"{label}: acc@{k + 1}")
+        right.plot(tokens, [entry["tau"] for entry in history], style, marker="o", markersize=3, label=label)
+    left.set(xscale="log", xlabel="training tokens", ylabel="held-out acc@k", ylim=(0, 1),
+             title="acceptance at draft step k (given steps 1..k-1)")
+    right.set(xscale="log", xlabel="training tokens", ylabel="tau (greedy chain)", title="expected accepted length")
+    left.legend(fontsize=7)
+    right.legend(fontsize=7)
+    if title:
+        figure.suptitle(title)
+    figure.tight_layout()
+    partial = path.with_name(path.stem + ".partial" + path.suffix)
+    figure.savefig(partial, dpi=100)
+    plt.close(figure)
+    os.replace(partial, path)
+    return path
