@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from training.draft_vocab import build_draft_vocab, count_tokens, draft_to_target_ids, target_to_draft_ids
-from training.losses import decay_weights, feature_regression_loss, soft_cross_entropy, sparse_soft_cross_entropy
+from training.losses import (decay_weights, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
+                             sparse_soft_cross_entropy)
 from training.masks import ChainCache, chain_attention_mask, next_token_mask, shift_left
 from training.metrics import acceptance_counts, acceptance_rates
 
@@ -67,6 +68,10 @@ def test_losses_by_hand():
     assert feature_regression_loss(torch.tensor([[0.0, 3.0]]), torch.tensor([[0.5, 0.0]])).item() == \
         pytest.approx((0.5 * 0.25 + 2.5) / 2)
     assert decay_weights(3, 0.8) == pytest.approx([1.0, 0.8, 0.64])
+    # hard targets: the greedy token's CE; a token outside the draft vocabulary (-1) contributes nothing
+    two = torch.tensor([[2.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
+    torch.testing.assert_close(hard_cross_entropy(two, torch.tensor([2, -1])),
+                               torch.stack([F.cross_entropy(two[:1], torch.tensor([2])), torch.tensor(0.0)]))
 
 
 def test_acceptance_metrics_by_hand():
@@ -155,6 +160,14 @@ def test_target_distribution_table_equals_direct_computation():
     torch.testing.assert_close(target.cross_entropy(draft_logits, rows, cols), expected)
     with pytest.raises(IndexError, match="outside the positions"):
         target.greedy(torch.tensor([0]), torch.tensor([0]))
+    # hard: the CE of the target's greedy token, mapped into the draft vocabulary (outside it: nothing)
+    hard = TargetDistribution({"hidden": hidden}, positions, weight, None, draft_ids=draft_ids, hard=True)
+    to_draft = torch.full((12,), -1)
+    to_draft[draft_ids] = torch.arange(4)
+    greedy = to_draft[direct.argmax(-1)]
+    log_q = torch.log_softmax(draft_logits, -1).gather(-1, greedy.clamp_min(0)[:, None])[:, 0]
+    expected = torch.where(greedy >= 0, -log_q, torch.zeros(3))
+    torch.testing.assert_close(hard.cross_entropy(draft_logits, rows, cols, to_draft), expected)
 
 
 @pytest.mark.parametrize("head_type", ["eagle", "eagle3", "medusa"])

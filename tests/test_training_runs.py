@@ -552,3 +552,23 @@ def test_features_recorded_while_self_distilling_train_a_head(tiny, tmp_path):
     with pytest.raises(FileNotFoundError, match="not a recorded store"):
         run_config(tiny, tmp_path / "none", "eagle3", 1, ["features.mode=recorded",
                                                           f"features.dir={tmp_path / 'nothing'}"])
+
+
+def test_hard_targets_and_eagle3_feature_noise_reach_training(tiny, tmp_path):
+    """The levers head.targets=hard and (EAGLE-3) head.noise_std reach the objective (their losses are tested by
+    hand in test_training_algorithms.py); the noise changes what four steps learn; a bad value is a configuration
+    error."""
+    from training.objectives import HeadObjective
+
+    common = ["eval.at_start=false", "trainer.lr=3e-3"]
+    run_config(tiny, tmp_path / "plain", "eagle3", 4, common)
+    run_config(tiny, tmp_path / "noise", "eagle3", 4, common + ["head.noise_std=0.5"])
+    plain, noisy = head_weights(tmp_path / "plain"), head_weights(tmp_path / "noise")
+    assert any(not torch.equal(plain[k], noisy[k]) for k in plain)
+    target, data = tiny
+    conf = compose_config(tiny_overrides(target, data, tmp_path / "hard", "medusa", extra=["head.targets=hard"]))
+    head = torch.nn.Module()
+    head.head_type = "medusa"
+    assert HeadObjective(head, conf.head, torch.zeros(2, 2), None).hard
+    with pytest.raises(ValueError, match="head.targets='greedy'"):
+        run_config(tiny, tmp_path / "bad", "eagle3", 1, ["head.targets=greedy"])

@@ -37,6 +37,7 @@ class HeadConf:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     weight_decay: float = 0.0
     grad_clip: float = 0.5
+    targets: str = "soft"  # soft: the target's whole next-token distribution; hard: its greedy token only
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Eagle3HeadConf(HeadConf):
     draft_vocab_size: int = 8192  # 0: the target's whole vocabulary
     ttt_steps: int = 7
     loss_decay: float = 0.8
+    noise_std: float = 0.0  # uniform noise on the fused input features, width noise_std (EAGLE's; 0: none)
     init_lm_head: bool = True  # start the draft LM head and norm from the target's (rows of the draft vocabulary)
 
 
@@ -230,6 +232,9 @@ def validate(config: TrainConfig) -> None:
     if config.features.mode == "recorded" and not config.features.dir:
         problems.append("features.mode=recorded trains on a recorded store: pass features.dir=<DIR written by "
                         "scripts/prepare_data.py selfdistill --features DIR>")
+    if config.head.targets not in ("soft", "hard"):
+        problems.append(f"head.targets={config.head.targets!r}: choose soft (the target's distribution) or hard "
+                        f"(its greedy token)")
     if config.deepspeed.stage not in (0, 1, 2, 3):
         problems.append(f"deepspeed.stage={config.deepspeed.stage}: choose 0, 1, 2 or 3")
     if config.deepspeed.offload_param and config.deepspeed.stage != 3:

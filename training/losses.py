@@ -23,6 +23,13 @@ def sparse_soft_cross_entropy(logits: torch.Tensor, target_logprobs: torch.Tenso
     return -(weights * log_q).nan_to_num(0.0).sum(-1)
 
 
+def hard_cross_entropy(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+    """-log q(target) per row: logits [N, V] (draft), target_ids [N] (the target's greedy token; -1, outside the
+    draft vocabulary, contributes nothing) -> [N]."""
+    log_q = F.log_softmax(logits.float(), dim=-1).gather(-1, target_ids.clamp_min(0)[:, None])[:, 0]
+    return -log_q.masked_fill(target_ids < 0, 0.0)
+
+
 def feature_regression_loss(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """EAGLE-1's SmoothL1 between predicted and true next features, averaged over H. [N, H], [N, H] -> [N]."""
     return F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(-1)

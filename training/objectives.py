@@ -20,8 +20,8 @@ from torch import nn
 from heads.common import softcap_logits
 from training.draft_vocab import target_to_draft_ids
 from training.evaluate import eagle_matches, medusa_matches
-from training.losses import (decay_weights, feature_regression_loss, soft_cross_entropy, sparse_soft_cross_entropy,
-                             uniform_noise)
+from training.losses import (decay_weights, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
+                             sparse_soft_cross_entropy, uniform_noise)
 from training.masks import ChainCache, chain_attention_mask, next_token_mask, shift_left
 
 
@@ -31,11 +31,13 @@ class TargetDistribution:
     Exact (dense) mode computes the target's logits once for all those positions (the loss steps and heads that
     reuse a position index into one table, instead of re-running the LM head); ``draft_ids`` [V'] restricts the
     distribution to a draft vocabulary and renormalises it. Stored top-k mode reads ``topk_logprobs``/``topk_ids``.
+    hard: the losses train on the target's greedy token alone instead of its whole distribution.
     """
 
     def __init__(self, batch: dict, positions: torch.Tensor, lm_head_weight: torch.Tensor, softcap: float | None,
-                 draft_ids: torch.Tensor | None = None):
+                 draft_ids: torch.Tensor | None = None, hard: bool = False):
         self.batch = batch
+        self.hard = hard
         self.sparse = "topk_ids" in batch
         if self.sparse:
             return
@@ -63,7 +65,10 @@ class TargetDistribution:
     def cross_entropy(self, draft_logits: torch.Tensor, rows, cols,
                       target_to_draft: torch.Tensor | None = None) -> torch.Tensor:
         """Soft CE [N] of draft logits [N, V'] against p at (rows, cols); sparse mode maps the top-k ids through
-        ``target_to_draft`` [V] (ids outside the draft vocabulary drop out)."""
+        ``target_to_draft`` [V] (ids outside the draft vocabulary drop out). Hard: CE against p's greedy token."""
+        if self.hard:
+            greedy = self.greedy(rows, cols)
+            return hard_cross_entropy(draft_logits, greedy if target_to_draft is None else target_to_draft[greedy])
         if self.sparse:
             logprobs = self.batch["topk_logprobs"][rows, cols]
             ids = self.batch["topk_ids"][rows, cols]
@@ -89,6 +94,7 @@ class HeadObjective(nn.Module):
         self.pad_id = pad_id
         self.register_buffer("target_lm_head_weight", target_lm_head_weight.detach(), persistent=False)
         self.lora_target = lora_target  # Medusa-2: a peft-wrapped target whose adapters train
+        self.hard = head_conf.targets == "hard"
 
     def forward(self, batch: dict, depth: int | None = None) -> tuple[torch.Tensor, dict | torch.Tensor]:
         """A training batch -> (loss, stats). With ``depth``, a held-out batch prepared by training/evaluate.py ->
@@ -135,7 +141,7 @@ class HeadObjective(nn.Module):
         rows, cols = predict[:, 1:].nonzero(as_tuple=True)
         predicted = hidden[rows, cols]
         feature_loss = _mean(feature_regression_loss(predicted, features[rows, cols + 1]))
-        target = TargetDistribution(batch, predict, self.target_lm_head_weight, self.softcap)
+        target = TargetDistribution(batch, predict, self.target_lm_head_weight, self.softcap, hard=self.hard)
         logits = self.head.logits(predicted)
         ce = _mean(target.cross_entropy(logits, rows, cols + 1))
         loss = conf.feature_weight * feature_loss + conf.ce_weight * ce
@@ -150,10 +156,13 @@ class HeadObjective(nn.Module):
         batch_size, length = ids.shape
         predict = next_token_mask(batch["assistant_mask"])
         target = TargetDistribution(batch, predict, self.target_lm_head_weight, self.softcap,
-                                    draft_ids=self.head.draft_to_target)
+                                    draft_ids=self.head.draft_to_target, hard=self.hard)
         to_draft = target_to_draft_ids(self.head.d2t, self.head.t2d.shape[0])
         cache = ChainCache()
         hidden = batch["layer_hidden"]
+        if self.training and conf.noise_std > 0:  # EAGLE's feature noise, on the fused layers' inputs
+            hidden = hidden + uniform_noise(hidden.shape, conf.noise_std, int(batch["noise_seed"]), hidden.device,
+                                            hidden.dtype)
         loss = 0.0
         stats = {}
         for step, weight in enumerate(decay_weights(conf.ttt_steps, conf.loss_decay)):
@@ -181,7 +190,7 @@ class HeadObjective(nn.Module):
         conf = self.conf
         ids = batch["input_ids"]
         predict = next_token_mask(batch["assistant_mask"])
-        teacher = TargetDistribution(batch, predict, self.target_lm_head_weight, self.softcap)
+        teacher = TargetDistribution(batch, predict, self.target_lm_head_weight, self.softcap, hard=self.hard)
         if self.lora_target is not None:
             hidden = self.lora_target.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
         else:
