@@ -6,7 +6,8 @@
 # Stage 1 runs both heads side by side, one thread each (a 2-core machine), on the packaged ShareGPT (first 3000
 # conversations). Stage 2 continues the EAGLE-3 head with both threads on 12000 conversations. Stage 3 continues it
 # on self-distilled data (the target's own greedy replies to the first 400 ShareGPT prompts); the Medusa head's
-# stage 2 continues it on the same replies. Each shipped config.json records its commands and wall times; the
+# stage 2 continues it on the same replies. Stage 4 continues the EAGLE-3 head on the target's bf16 greedy replies
+# to the first 1664 ShareGPT prompts, with the features recorded while generating them (no target pass in training). Each shipped config.json records its commands and wall times; the
 # curves and acceptance of each stage are in scripts/results/README.md. The configs also carry the runtime's tree
 # defaults, chosen with scripts/tune_tree.py (EAGLE-3 depth 2, top-k 8, 4 verified tokens; Medusa 4 verified tokens),
 # the size adaptive tree sizing starts from.
@@ -45,9 +46,22 @@ timed "$RUNS/eagle3-sd.seconds" python training/train.py head=eagle3 head.ttt_st
   data=selfdistill data.path="$RUNS/sd/sharegpt_sd.jsonl" data.val_samples=24 \
   eval.at_start=true eval.every=95 eval.max_samples=24 checkpoint.every=20 \
   init_from="$RUNS/stages/smollm2-135m-eagle3-stage2" output_dir="$RUNS/smollm2-eagle3-sd"
-python scripts/ship_head.py "$RUNS/smollm2-eagle3-sd" smollm2-135m-eagle3 --depth 2 --top-k 8 --tree-size 4 \
+python scripts/ship_head.py "$RUNS/smollm2-eagle3-sd" smollm2-135m-eagle3-stage3 --into "$RUNS/stages" \
   --train-seconds "$(cat "$RUNS/eagle3-sd.seconds")" \
   --data-command "$SELFDISTILL" --data-seconds "$(cat "$RUNS/sd.seconds")"
+
+RECORD="python scripts/prepare_data.py selfdistill --out $RUNS/sd4/sharegpt_sd.jsonl --features $RUNS/sd4/store \
+--max-new-tokens 256 --batch-size 16 --dtype bfloat16 --proposer eagle3+ngram:$RUNS/stages/smollm2-135m-eagle3-stage3 \
+head=eagle3 data.max_samples=1632"
+timed "$RUNS/sd4.seconds" $RECORD
+timed "$RUNS/eagle3-recorded.seconds" python training/train.py head=eagle3 head.ttt_steps=4 head.lr=2e-4 \
+  trainer.lr=2e-4 trainer.threads=2 trainer.max_steps=760 trainer.warmup_steps=10 \
+  features.mode=recorded features.dir="$RUNS/sd4/store" data.val_samples=32 \
+  eval.at_start=true eval.every=95 eval.max_samples=32 checkpoint.every=50 \
+  init_from="$RUNS/stages/smollm2-135m-eagle3-stage3" output_dir="$RUNS/smollm2-eagle3-recorded"
+python scripts/ship_head.py "$RUNS/smollm2-eagle3-recorded" smollm2-135m-eagle3 --depth 2 --top-k 8 --tree-size 4 \
+  --train-seconds "$(cat "$RUNS/eagle3-recorded.seconds")" \
+  --data-command "$RECORD" --data-seconds "$(cat "$RUNS/sd4.seconds")"
 python scripts/ship_head.py "$RUNS/smollm2-medusa" smollm2-135m-medusa-stage1 --into "$RUNS/stages" \
   --train-seconds "$(cat "$RUNS/medusa.seconds")"
 timed "$RUNS/medusa-sd.seconds" python training/train.py head=medusa trainer.threads=2 trainer.max_steps=200 \
