@@ -144,13 +144,11 @@ class BatchedDecoder:
         self.stats = BatchStats()
         self.monitor = monitor_for(self.proposer)
 
-    def _record(self, row: _Row, hidden: torch.Tensor, layer_hidden: tuple[torch.Tensor, ...]) -> None:
-        """Keep a pass's hidden states [n, H] (and recorded layers' inputs) of ``row``'s newly verified positions,
-        on the CPU: a generation's features are read when it ends."""
-        if row.recorded is None:
-            return
-        mine = layer_hidden[len(self.pass_layers) - len(self.record_layers):]
-        row.recorded.append(tuple(t.to("cpu", copy=True) for t in (hidden, *mine)))
+    @staticmethod
+    def _record(row: _Row, hidden: torch.Tensor, layer_hidden: tuple[torch.Tensor, ...]) -> None:
+        """Keep a pass's hidden states [n, H] and recorded layers' inputs of ``row``'s newly verified positions, on
+        the CPU: a generation's features are read when it ends."""
+        row.recorded.append(tuple(t.to("cpu", copy=True) for t in (hidden, *layer_hidden)))
 
     def tree_size_report(self) -> dict:
         """How the tree size was chosen (as ``SpeculativeDecoder.tree_size_report``; the size never changes here)."""
@@ -308,7 +306,8 @@ class BatchedDecoder:
             row.new_layer_hidden = tuple(h[b, :length] for h in out.layer_hidden[:proposer_layers])
             if self.record_layers is not None:
                 row.recorded = []
-                self._record(row, out.hidden[b, :length], tuple(h[b, :length] for h in out.layer_hidden))
+                self._record(row, out.hidden[b, :length],
+                             tuple(h[b, :length] for h in out.layer_hidden[proposer_layers:]))
             row.pending = [first]
             rows.append(row)
         return rows
@@ -394,7 +393,8 @@ class BatchedDecoder:
                 row.new_hidden = out.hidden[b, index] if proposer.needs_hidden else None
                 row.new_layer_hidden = tuple(h[b, index] for h in out.layer_hidden[:proposer_layers])
                 if row.recorded is not None:
-                    self._record(row, out.hidden[b, index], tuple(h[b, index] for h in out.layer_hidden))
+                    self._record(row, out.hidden[b, index],
+                                 tuple(h[b, index] for h in out.layer_hidden[proposer_layers:]))
 
 
 def recorded_features(recorded: list[tuple[torch.Tensor, ...]], layers: tuple[int, ...],
