@@ -129,6 +129,8 @@ def edit_config(directory, edit):
     (lambda c: c["tree"].update(depth=True), "tree.depth must be a positive integer"),
     (lambda c: c["tree"].update(acceptance=[0.5, 1.5]), "tree.acceptance must be a list of acceptance rates"),
     (lambda c: c["tree"].update(size_dtype=32), "tree.size_dtype must be a dtype name"),
+    (lambda c: c["tree"].update(sizes={"float32": 0}), "tree.sizes must map a target dtype name to the verified"),
+    (lambda c: c["tree"].update(sizes=[4]), "tree.sizes must map a target dtype name"),
     (lambda c: c.update(tree=[3]), "tree must be an object, got list"),
     (lambda c: c.pop("head_config"), "head_config is missing; a head directory written by training has it"),
     (lambda c: c.pop("target"), "target is missing"),
@@ -152,6 +154,9 @@ def test_a_head_config_with_an_unknown_tree_dtype_or_invalid_json_names_the_file
     edit_config(directory, lambda c: c["tree"].update(size=3, size_dtype="float8"))
     with pytest.raises(ValueError, match=r"config.json: tree.size_dtype: unknown dtype 'float8'"):
         build_proposer(ProposerSpec("eagle", head=str(directory)), target)
+    edit_config(directory, lambda c: c["tree"].update(sizes={"float8": 3}))
+    with pytest.raises(ValueError, match=r"config.json: tree.sizes: unknown dtype 'float8'"):
+        build_proposer(ProposerSpec("eagle", head=str(directory)), target)
     (directory / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"config.json is not valid JSON"):
         read_head_config(directory)
@@ -162,3 +167,21 @@ def test_a_valid_head_config_still_loads(saved_eagle):
     edit_config(directory, lambda c: c["tree"].update(acceptance=[0.6, 0.4], top_k=4, size=3))
     proposer = build_proposer(ProposerSpec("eagle", head=str(directory)), target)
     assert proposer.depth == 3 and proposer.top_k == 4 and proposer.tree_size == 3
+    # sizes measured per dtype: the target's dtype picks its own; a dtype without one gets the cost model's (None)
+    edit_config(directory, lambda c: c["tree"].update(sizes={"bfloat16": 6, "float32": 5}))
+    assert build_proposer(ProposerSpec("eagle", head=str(directory)), target).tree_size == 5
+    edit_config(directory, lambda c: c["tree"].update(sizes={"bfloat16": 6}))
+    assert build_proposer(ProposerSpec("eagle", head=str(directory)), target).tree_size is None
+
+
+def test_the_levers_script_names_a_bad_group_lever_or_store_before_training(tmp_path):
+    results = tmp_path / "levers.json"
+    for argv, expected in [
+        (["--store", tmp_path, "--groups", "eagle4"], "error: --groups: 'eagle4': choose from eagle3, medusa"),
+        (["--store", tmp_path, "--groups", "medusa", "--only", "ttt-2"], "error: --only: ttt-2: choose from"),
+        (["--store", tmp_path], f"error: --store: features.dir={tmp_path} is not a recorded store"),
+        (["--store", tmp_path, "--steps", "0"], "argument --steps: 0 is not a positive integer"),
+    ]:
+        result = run_script("levers.py", *argv, "--results", results, check=False)
+        assert result.returncode != 0 and expected in result.stderr, (argv, result.stderr)
+        assert "Traceback" not in result.stderr and not results.exists()
