@@ -166,6 +166,13 @@ def _check_tree(tree: dict, path: Path) -> None:
     for key in ("size_dtype", "tokens_dtype"):
         if key in tree and not isinstance(tree[key], str):
             raise ValueError(f"{path}: tree.{key} must be a dtype name such as 'float32', got {tree[key]!r}")
+    sizes = tree.get("sizes")
+    if sizes is not None and not (isinstance(sizes, dict) and all(
+            isinstance(name, str) and isinstance(size, int) and not isinstance(size, bool) and size >= 1
+            for name, size in sizes.items())):
+        raise ValueError(f"{path}: tree.sizes must map a target dtype name to the verified tree size measured best in "
+                         f"it (e.g. {{\"float32\": 4, \"bfloat16\": 6}}), got {sizes!r}; fix it in the file, or "
+                         f"delete it for the runtime's cost model")
     rates = tree.get("acceptance")
     if rates is not None and not (isinstance(rates, list) and all(
             isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate <= 1 for rate in rates)):

@@ -23,6 +23,21 @@ from heads.shipped import SHIPPED_DIR
 from runtime.target import parse_dtype
 
 
+def tree_sizes(parser, values: list[str], default_dtype: str) -> dict[str, int]:
+    """``--tree-size`` values (``N`` or ``DTYPE=N``) as the config's ``tree.sizes``: {dtype name: size}."""
+    sizes = {}
+    for value in values:
+        name, _, size = value.rpartition("=")
+        try:
+            dtype = str(parse_dtype(name or default_dtype)).removeprefix("torch.")
+            sizes[dtype] = int(size)
+        except ValueError as error:
+            parser.error(f"argument --tree-size: {value!r}: {error} (give N or DTYPE=N, e.g. bfloat16=6)")
+        if sizes[dtype] < 1:
+            parser.error(f"argument --tree-size: {value!r}: a tree has at least 1 node")
+    return sizes
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path, help="OUTPUT_DIR of a finished training run (holds head/)")
@@ -31,16 +46,17 @@ def main(argv=None) -> int:
     parser.add_argument("--into", type=Path, default=SHIPPED_DIR, help="parent directory (default: heads/shipped)")
     parser.add_argument("--depth", type=int, help="EAGLE: default draft depth of the runtime's tree")
     parser.add_argument("--top-k", type=int, help="EAGLE: default top-k per tree level")
-    parser.add_argument("--tree-size", type=int,
-                        help="default verified tree size (nodes, root included), as measured best by "
-                             "scripts/tune_tree.py; without it the runtime's cost model sizes the tree")
-    parser.add_argument("--tree-dtype", default="float32",
-                        help="the target dtype --tree-size was measured with (other dtypes use the cost model)")
+    parser.add_argument("--tree-size", action="append", default=[], metavar="[DTYPE=]N",
+                        help="default verified tree size (nodes, root included) in a target dtype, as measured best "
+                             "by scripts/tune_tree.py --dtype DTYPE (repeatable: float32=4 --tree-size bfloat16=6; "
+                             "plain N: measured in --tree-dtype); a dtype without one gets the cost model's size")
+    parser.add_argument("--tree-dtype", default="float32", help="the target dtype of a plain --tree-size N")
     parser.add_argument("--train-seconds", type=float, help="wall time of the training run, recorded in the config")
     parser.add_argument("--data-command", help="the command that made the run's training data, recorded in the config "
                                                "(e.g. scripts/prepare_data.py selfdistill ...)")
     parser.add_argument("--data-seconds", type=float, help="wall time of --data-command, recorded in the config")
     args = parser.parse_args(argv)
+    sizes = tree_sizes(parser, args.tree_size, args.tree_dtype)
 
     head_dir = args.run_dir / "head"
     config = read_head_config(head_dir)
@@ -53,11 +69,13 @@ def main(argv=None) -> int:
     final = summary.get("final_eval") or {}
     if final.get("acc"):
         config["tree"]["acceptance"] = final["acc"]
-    for key, value in (("depth", args.depth), ("top_k", args.top_k), ("size", args.tree_size)):
+    for key, value in (("depth", args.depth), ("top_k", args.top_k)):
         if value is not None:
             config["tree"][key] = value
-    if args.tree_size is not None:
-        config["tree"]["size_dtype"] = str(parse_dtype(args.tree_dtype)).removeprefix("torch.")
+    if sizes:
+        for key in ("size", "size_dtype", "tokens", "tokens_dtype"):  # the older one-dtype form
+            config["tree"].pop(key, None)
+        config["tree"]["sizes"] = sizes
     init_from = config["training"].get("config", {}).get("init_from")
     if init_from and (Path(init_from) / CONFIG_NAME).is_file():  # a continued run: keep how its start was made
         start = read_head_config(Path(init_from)).get("training", {})

@@ -85,7 +85,8 @@ def check_shipping(run_dir: Path, into: Path, target_dir: Path) -> None:
 
     data_command = "python scripts/prepare_data.py selfdistill --out sd.jsonl"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "ship_head.py"), str(run_dir), "tiny-medusa", "--into",
-                    str(into), "--train-seconds", "12", "--data-command", data_command, "--data-seconds", "5"],
+                    str(into), "--train-seconds", "12", "--data-command", data_command, "--data-seconds", "5",
+                    "--tree-size", "3", "--tree-size", "bf16=5"],
                    check=True, env=_env(), cwd=ROOT)
     shipped = into / "tiny-medusa"
     config = json.loads((shipped / "config.json").read_text())
@@ -94,6 +95,7 @@ def check_shipping(run_dir: Path, into: Path, target_dir: Path) -> None:
     assert all(t.dtype == torch.bfloat16 for t in load_file(str(shipped / "model.safetensors")).values())
     proposer = build_proposer(ProposerSpec("medusa", head=str(shipped)), load_target(str(target_dir)))
     assert proposer.head_accuracy == config["tree"]["acceptance"]
+    assert config["tree"]["sizes"] == {"float32": 3, "bfloat16": 5} and proposer.tree_size == 3
 
 
 def test_offline_features_match_online(tiny, tmp_path):

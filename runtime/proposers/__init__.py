@@ -22,9 +22,9 @@ def load_head_proposer(head_type: str, head_dir: str, target) -> Proposer:
     """A trained head from ``head_dir`` (the OUTPUT_DIR/head of a training run, an export of ours, or a published
     head in a layout ``heads.formats.load_any_head`` reads), checked against the target.
 
-    Tree defaults come from the head's config: ``depth`` and ``top_k`` for EAGLE, optionally ``size`` (the verified
-    tree size measured best by scripts/tune_tree.py, used for targets in the dtype it was measured in, ``size_dtype``)
-    for both head types, and the acceptance measured during training
+    Tree defaults come from the head's config: ``depth`` and ``top_k`` for EAGLE, optionally ``sizes`` (the verified
+    tree size measured best by scripts/tune_tree.py in each target dtype, ``{"float32": 4, "bfloat16": 6}``; older
+    heads: one ``size`` measured in ``size_dtype``) for both head types, and the acceptance measured during training
     (``acceptance``, acc@1..K), which calibrates Medusa's static tree and otherwise sizes the verified tree; its
     acc@1 is the proposer's ``trained_acceptance`` (None when the config has none), which ``runtime.monitor`` holds
     the rolling acceptance to.
@@ -65,13 +65,22 @@ def load_head_proposer(head_type: str, head_dir: str, target) -> Proposer:
 
 
 def measured_tree_size(tree: dict, head_dir: str, target) -> int | None:
-    """The head config's measured tree size when it was measured in the target's dtype, else None.
+    """The head config's measured tree size for the target's dtype, else None.
 
     A tree size is measured in one dtype; another dtype has another cost curve (scripts/bench_verify_pass.py), so
-    there the cost model sizes the tree. Heads saved by earlier versions call the keys tokens and tokens_dtype.
+    a dtype without a measured size gets the cost model's. ``tree.sizes`` maps dtype names to sizes; heads saved
+    by earlier versions hold one ``size`` (or ``tokens``) measured in ``size_dtype`` (``tokens_dtype``).
     """
     from runtime.target import parse_dtype
 
+    if "sizes" in tree:
+        for name, size in tree["sizes"].items():
+            try:
+                if parse_dtype(name) == target.dtype:
+                    return size
+            except ValueError as error:
+                raise ValueError(f"{head_dir}/config.json: tree.sizes: {error}") from None
+        return None
     name = tree.get("size_dtype", tree.get("tokens_dtype", "float32"))
     try:
         measured_dtype = parse_dtype(name)
