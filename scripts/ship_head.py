@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from heads.io import CONFIG_NAME, WEIGHTS_NAME, atomic_directory, read_head_config
 from heads.shipped import SHIPPED_DIR
+from runtime.benchmark import dtype_name
 from runtime.target import parse_dtype
 
 
@@ -29,7 +30,7 @@ def tree_sizes(parser, values: list[str], default_dtype: str) -> dict[str, int]:
     for value in values:
         name, _, size = value.rpartition("=")
         try:
-            dtype = str(parse_dtype(name or default_dtype)).removeprefix("torch.")
+            dtype = dtype_name(name or default_dtype)
             sizes[dtype] = int(size)
         except ValueError as error:
             parser.error(f"argument --tree-size: {value!r}: {error} (give N or DTYPE=N, e.g. bfloat16=6)")

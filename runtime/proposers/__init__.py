@@ -74,13 +74,11 @@ def measured_tree_size(tree: dict, head_dir: str, target) -> int | None:
     from runtime.target import parse_dtype
 
     if "sizes" in tree:
-        for name, size in tree["sizes"].items():
-            try:
-                if parse_dtype(name) == target.dtype:
-                    return size
-            except ValueError as error:
-                raise ValueError(f"{head_dir}/config.json: tree.sizes: {error}") from None
-        return None
+        try:
+            sizes = {parse_dtype(name): size for name, size in tree["sizes"].items()}
+        except ValueError as error:
+            raise ValueError(f"{head_dir}/config.json: tree.sizes: {error}") from None
+        return sizes.get(target.dtype)
     name = tree.get("size_dtype", tree.get("tokens_dtype", "float32"))
     try:
         measured_dtype = parse_dtype(name)
