@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads.common import FrozenProjection
-from runtime.kernels import bf16_rows_linear, native_bf16_matmul, rms_norm_rows
+from runtime.kernels import bf16_dot_linear, bf16_rows_linear, native_bf16_matmul, rms_norm_rows
 
 # Row counts up to which ``decode_linear`` computes weight @ hidden^T: on the 2-core x86 CPUs this was tuned on, BLAS
 # streams a weight matrix from memory faster in that operand order for a few rows (scripts/bench_vocab_projection.py
@@ -37,6 +37,12 @@ WEIGHT_MAJOR_MAX_ROWS = 16
 # measures both on the machine at hand). Without those instructions the kernel wins up to WEIGHT_MAJOR_MAX_ROWS.
 NATIVE_BF16_KERNEL_MAX_ROWS = 8
 
+# Row counts up to which the AVX512-BF16 dot-product kernel (runtime.kernels.bf16_dot_linear, on CPUs that have the
+# instruction) beats both PyTorch's bf16 product and the AVX2 row kernel: it reads the weights once per call and
+# binds on its dot products only from about 8 rows; PyTorch's product catches up at a few dozen rows
+# (scripts/bench_bf16_rows.py measures all three).
+DOT_KERNEL_MAX_ROWS = 32
+
 # RMSNorm classes of transformers that compute weight * (x * rsqrt(mean(x^2) + eps)).to(dtype) with the epsilon in
 # ``variance_epsilon``: the formula rms_norm_rows implements. Others (Gemma's 1 + weight, ...) keep their own forward.
 LLAMA_FORMULA_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
@@ -46,17 +52,21 @@ def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     """hidden [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N]; equal to ``F.linear(hidden, weight, bias)``
     (in bfloat16, up to the order of the fp32 accumulation).
 
-    Few rows go through ``weight @ hidden^T``, the rest (and anything that needs gradients, or runs off CPU) through
-    F.linear. In bfloat16, 2-16 rows (and one row on a CPU with bf16 matrix instructions) go through the compiled
-    row kernel (``runtime.kernels``): PyTorch's bf16 product
-    on a CPU without bf16 matrix instructions costs about one one-row product per row, the kernel reads the weights
-    once. Many bf16 rows (a prefill) on such a CPU go through an fp32 product of the upcast operands. On a CPU with
-    bf16 matrix instructions PyTorch's own bf16 product takes over from NATIVE_BF16_KERNEL_MAX_ROWS + 1 rows.
+    On a CPU with AVX512-BF16, up to DOT_KERNEL_MAX_ROWS bf16 rows go through its dot-product kernel
+    (``runtime.kernels.bf16_dot_linear``). Otherwise few rows go through ``weight @ hidden^T``, the rest (and
+    anything that needs gradients, or runs off CPU) through F.linear. In bfloat16, 2-16 rows (and one row on a CPU
+    with bf16 matrix instructions) go through the compiled AVX2 row kernel (``runtime.kernels``): PyTorch's bf16
+    product on a CPU without bf16 matrix instructions costs about one one-row product per row, the kernel reads the
+    weights once. Many bf16 rows (a prefill) on such a CPU go through an fp32 product of the upcast operands. On a CPU
+    with bf16 matrix instructions PyTorch's own bf16 product takes over from NATIVE_BF16_KERNEL_MAX_ROWS + 1 rows.
     """
     if hidden.device.type != "cpu" or torch.is_grad_enabled():
         return F.linear(hidden, weight, bias)
     rows = hidden.numel() // hidden.shape[-1]
     bf16 = weight.dtype == hidden.dtype == torch.bfloat16
+    if bf16 and rows <= DOT_KERNEL_MAX_ROWS and (dot := bf16_dot_linear()) is not None:
+        out = dot(hidden.reshape(rows, hidden.shape[-1]).contiguous(), weight.contiguous(), bias)
+        return out.reshape(*hidden.shape[:-1], weight.shape[0])
     if bf16 and rows > NATIVE_BF16_KERNEL_MAX_ROWS and native_bf16_matmul():
         return F.linear(hidden, weight, bias)
     if rows > WEIGHT_MAJOR_MAX_ROWS:

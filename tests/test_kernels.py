@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.decode_layers import WEIGHT_MAJOR_MAX_ROWS, decode_linear
-from runtime.kernels import (KERNEL_CPU_CAPABILITIES, bf16_rows_linear, bf16_rows_matmul, decode_attention,
-                           rms_norm_rows)
+from runtime.decode_layers import DOT_KERNEL_MAX_ROWS, WEIGHT_MAJOR_MAX_ROWS, decode_linear
+from runtime.kernels import (KERNEL_CPU_CAPABILITIES, bf16_dot_linear, bf16_rows_linear, bf16_rows_matmul,
+                             decode_attention, rms_norm_rows)
 
 
 def built_or_fail(accessor=bf16_rows_matmul):
@@ -63,10 +63,55 @@ def test_bf16_rows_linear_rejects_wrong_inputs():
         bf16_rows_linear()(torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16(), torch.randn(5).bfloat16())
 
 
-@pytest.mark.parametrize("rows", [2, 4, 7, 40])  # 40 rows: a prefill, the upcast product on CPUs without bf16 units
+def avx512_bf16_cpu() -> bool:
+    return getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+
+
+def dot_kernel_or_skip():
+    """The AVX512-BF16 kernel: it must have built on a CPU with the instruction, elsewhere the test is skipped."""
+    if not avx512_bf16_cpu():
+        assert bf16_dot_linear() is None  # never offered where the instruction is missing
+        pytest.skip("bf16_dot_linear: the CPU has no AVX512-BF16")
+    kernel = bf16_dot_linear()
+    assert kernel is not None, "bf16_dot_linear: the kernel did not build on a CPU with AVX512-BF16"
+    return kernel
+
+
+# rows across the 8-row blocks and the 32-row limit; K that is a multiple of 32, one that is not (the masked tail),
+# one shorter than a vector; N not a multiple of the weight rows per block
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 33])
+@pytest.mark.parametrize("n, k", [(37, 64), (576, 576), (300, 100), (7, 20)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_dot_linear_equals_fp32_product_then_one_rounding(rows, n, k, with_bias):
+    kernel = dot_kernel_or_skip()
+    generator = torch.Generator().manual_seed(rows * 1000 + n + k + with_bias)
+    x = torch.randn(rows, k, generator=generator).bfloat16()
+    weight = torch.randn(n, k, generator=generator).bfloat16()
+    bias = torch.randn(n, generator=generator).bfloat16() if with_bias else None
+    got = kernel(x, weight, bias)
+    exact = x.float() @ weight.float().T + (0 if bias is None else bias.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    step = exact.abs().clamp_min(1e-3) * 2.0 ** -7  # one bf16 step at each value's magnitude
+    assert ((got.float() - exact).abs() <= step).all()  # a correct rounding of the fp32 sum
+    assert (got == exact.to(torch.bfloat16)).float().mean() > 0.99  # only the summation order differs
+
+
+def test_bf16_dot_linear_rejects_wrong_inputs():
+    kernel = dot_kernel_or_skip()
+    with pytest.raises(RuntimeError, match="bfloat16 rows"):
+        kernel(torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="x \\[M, K\\]"):
+        kernel(torch.randn(2, 8).bfloat16(), torch.randn(4, 6).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernel(torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16(), torch.randn(5).bfloat16())
+
+
+@pytest.mark.parametrize("rows", [2, 4, 7, 24, 40])  # 40 rows: a prefill, the upcast product on CPUs without bf16 units
 def test_decode_linear_in_bf16_matches_f_linear_to_one_rounding_step(rows):
     if rows <= WEIGHT_MAJOR_MAX_ROWS:
         built_or_fail()
+    if rows <= DOT_KERNEL_MAX_ROWS and avx512_bf16_cpu():
+        dot_kernel_or_skip()
     generator = torch.Generator().manual_seed(rows)
     hidden = torch.randn(1, rows, 96, generator=generator).bfloat16()
     weight = torch.randn(200, 96, generator=generator).bfloat16()

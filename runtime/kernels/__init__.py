@@ -5,6 +5,8 @@
 torch's C++ extension loader (a C++ compiler and ninja; the build is cached by torch and takes a while the first
 time).
 Where it cannot be built, callers get None and keep PyTorch's own product.
+``bf16_dot_linear``: the bf16 linear layer with AVX512-BF16's dot-product instruction (bf16_dot_rows.cpp), on CPUs
+that have it: several times more rows per weight read before compute binds.
 ``decode_attention``: attention of a few bf16 query rows over a bf16 KV cache (decode_attention.cpp), tested against
 fp32 SDPA over the same values.
 ``rms_norm_rows``: the Llama-family RMSNorm over bf16 rows in one call (rms_norm.cpp), tested against the module.
@@ -25,9 +27,10 @@ KERNEL_CPU_CAPABILITIES = ("AVX2", "AVX512")  # torch.backends.cpu.get_cpu_capab
 
 
 @functools.cache
-def _compiled(source: str, fallback: str):
+def _compiled(source: str, fallback: str, isa_flags: tuple[str, ...] = ("-mavx2", "-mfma")):
     """The compiled ``source`` (a file beside this one), or None where it cannot be built or run; ``fallback`` says
-    in the warning what runs instead."""
+    in the warning what runs instead. ``isa_flags``: the instruction sets it is written for (the caller checks that
+    the CPU has them beyond AVX2)."""
     if torch.backends.cpu.get_cpu_capability() not in KERNEL_CPU_CAPABILITIES:
         return None  # the kernels are written with AVX2/FMA intrinsics
     try:
@@ -35,7 +38,7 @@ def _compiled(source: str, fallback: str):
 
         return load(name=f"headstart_{Path(source).stem}", sources=[str(SOURCE_DIR / source)],
                     # without OpenMP, at::parallel_for runs on one thread
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                    extra_cflags=["-O3", *isa_flags, "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler or ninja: fall back rather than fail decoding
         warnings.warn(f"the kernel {source} could not be built ({type(error).__name__}: {error}); {fallback}",
                       stacklevel=3)
@@ -66,6 +69,21 @@ def bf16_rows_linear() -> Callable[..., torch.Tensor] | None:
     """
     module = _bf16_rows_module()
     return None if module is None else module.bf16_rows_linear
+
+
+@functools.cache
+def bf16_dot_linear() -> Callable[..., torch.Tensor] | None:
+    """(x [M, K] bfloat16, weight [N, K] bfloat16, bias [N] or None) -> [M, N] bfloat16 through AVX512-BF16's
+    dot-product instruction, or None where the CPU lacks it (or it cannot be built).
+
+    fp32 sums of exact products, the bias added in fp32, one rounding: the reference it is tested against is
+    ``(x.float() @ weight.float().T + bias.float()).to(torch.bfloat16)``, equal up to summation order.
+    """
+    if not getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
+        return None
+    module = _compiled("bf16_dot_rows.cpp", "bf16 rows use the AVX2 row kernel or PyTorch's product",
+                       ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512bf16"))
+    return None if module is None else module.bf16_dot_linear
 
 
 @functools.cache

@@ -1,0 +1,116 @@
+// A few to a few dozen bf16 rows times a bf16 weight matrix with AVX512-BF16's dot-product instruction:
+// out[m, n] = bf16(sum_k x[m, k] * w[n, k] + bias[n]).
+//
+// bf16_rows.cpp widens every weight to fp32 and multiplies with 8-wide AVX2 FMAs, which is memory-bound up to about
+// 4 rows and compute-bound beyond (scripts/bench_bf16_rows.py). VDPBF16PS multiplies 32 bf16 pairs per instruction
+// straight from the bf16 bits, each product exact in fp32 and summed in fp32 (denormals flushed), so the same
+// weight stream feeds several times more rows before compute binds. The weights are walked in chunks small enough
+// to stay in L2 while every block of rows passes over them, so each weight is read from memory once per call.
+// Built only on CPUs that report AVX512-BF16 (runtime.kernels).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kRowBlock = 8;        // input rows per pass over a chunk
+constexpr int64_t kChunkRows = 32;      // weight rows per chunk: 32 x 1536 bf16 = 96 KB, well inside L2
+constexpr int64_t kPrefetchAhead = 8192;  // weight elements ahead (16 KB), as in bf16_rows.cpp
+
+inline __m512bh load_pairs(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh load_pairs(const uint16_t* p, __mmask32 mask) { return (__m512bh)_mm512_maskz_loadu_epi16(mask, p); }
+
+// ROWS rows x [ROWS, K] (bf16 bits, row stride K) times WROWS weight rows w [WROWS, K] -> fp32 out[m * stride + j].
+// Each step loads the WROWS weight vectors and each row's vector once and applies them to all ROWS * WROWS
+// accumulators: the loads, not the dot products, bound a block that reloads operands per product.
+template <int ROWS, int WROWS>
+inline void dot_block(const uint16_t* x, const uint16_t* w, int64_t K, float* out, int64_t out_stride) {
+  __m512 acc[WROWS][ROWS];
+  for (int j = 0; j < WROWS; ++j)
+    for (int m = 0; m < ROWS; ++m) acc[j][m] = _mm512_setzero_ps();
+  __m512bh weights[WROWS];
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    for (int j = 0; j < WROWS; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k + kPrefetchAhead), _MM_HINT_T0);
+      weights[j] = load_pairs(w + j * K + k);
+    }
+    for (int m = 0; m < ROWS; ++m) {
+      const __m512bh row = load_pairs(x + m * K + k);
+      for (int j = 0; j < WROWS; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], weights[j], row);
+    }
+  }
+  if (k < K) {  // the tail: masked-off lanes load zeros, which add nothing
+    const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
+    for (int j = 0; j < WROWS; ++j) weights[j] = load_pairs(w + j * K + k, mask);
+    for (int m = 0; m < ROWS; ++m) {
+      const __m512bh row = load_pairs(x + m * K + k, mask);
+      for (int j = 0; j < WROWS; ++j) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], weights[j], row);
+    }
+  }
+  for (int j = 0; j < WROWS; ++j)
+    for (int m = 0; m < ROWS; ++m) out[m * out_stride + j] = _mm512_reduce_add_ps(acc[j][m]);
+}
+
+// Weight rows [begin, end) against ROWS input rows, WROWS weight rows at a time (at most 24 accumulators of the 32
+// registers, the rest for the operands).
+template <int ROWS>
+void dot_rows(const uint16_t* x, const uint16_t* w, int64_t K, float* out, int64_t out_stride, int64_t begin,
+              int64_t end) {
+  constexpr int WROWS = ROWS <= 2 ? 8 : (ROWS <= 4 ? 6 : 3);
+  int64_t n = begin;
+  for (; n + WROWS <= end; n += WROWS) dot_block<ROWS, WROWS>(x, w + n * K, K, out + n, out_stride);
+  for (; n < end; ++n) dot_block<ROWS, 1>(x, w + n * K, K, out + n, out_stride);
+}
+
+using DotRows = void (*)(const uint16_t*, const uint16_t*, int64_t, float*, int64_t, int64_t, int64_t);
+constexpr DotRows kDotRows[kRowBlock + 1] = {nullptr, dot_rows<1>, dot_rows<2>, dot_rows<3>, dot_rows<4>,
+                                             dot_rows<5>, dot_rows<6>, dot_rows<7>, dot_rows<8>};
+
+}  // namespace
+
+// x [M, K] bfloat16 -> (x @ weight^T + bias) [M, N] bfloat16: fp32 sums, the bias added in fp32, one rounding to
+// bf16 (round to nearest even, as Tensor.to). Equal to the fp32 product of the same values up to summation order.
+torch::Tensor bf16_dot_linear(const torch::Tensor& x, const torch::Tensor& weight,
+                              const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "expected x [M, K] and weight [N, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16,
+              "expected bfloat16 rows and a bfloat16 weight");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.device().is_cpu() && weight.device().is_cpu(),
+              "expected contiguous CPU tensors");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  torch::Tensor bias_fp32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu(), "expected a bias [N]");
+    bias_fp32 = bias->to(torch::kFloat32).contiguous();
+  }
+  const float* bp = bias_fp32.defined() ? bias_fp32.data_ptr<float>() : nullptr;
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  std::vector<float> product(M * N);
+  auto out = torch::empty({M, N}, x.options());
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t chunk = begin; chunk < end; chunk += kChunkRows) {
+      const int64_t stop = std::min(end, chunk + kChunkRows);
+      for (int64_t m = 0; m < M; m += kRowBlock)
+        kDotRows[std::min(kRowBlock, M - m)](xp + m * K, wp, K, product.data() + m * N, N, chunk, stop);
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t n = begin; n < end; ++n) {
+        const float value = bp != nullptr ? product[m * N + n] + bp[n] : product[m * N + n];
+        op[m * N + n] = at::BFloat16(value);
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bf16_dot_linear", &bf16_dot_linear, "x [M, K] bf16 @ weight [N, K] bf16 ^T (+ bias [N]) -> [M, N] bf16",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
+}
