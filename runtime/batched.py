@@ -131,8 +131,10 @@ class BatchedDecoder:
         self.draft_together = draft_together
         self.proposer = proposer if proposer is not None else NoProposer()
         self.record_layers = None if record_layers is None else tuple(int(i) for i in record_layers)
-        # the layer inputs every pass returns: the proposer's first, then the recorded ones
-        self.pass_layers = tuple(self.proposer.hidden_layers) + (self.record_layers or ())
+        # the layer inputs every pass returns: the proposer's first, then the recorded ones (set per run: a run that
+        # drafts nothing reads none for its proposer)
+        self.proposer_layers = tuple(self.proposer.hidden_layers)
+        self.pass_layers = self.proposer_layers + (self.record_layers or ())
         self.attention = checked_backend(target, attention, acceptance, tree_size)
         self.acceptance = acceptance
         self.fixed_tree_size = tree_size
@@ -210,6 +212,10 @@ class BatchedDecoder:
             # do, and must not depend on how many rows share its batch: sampling keeps the one-row size.
             self.tree_size, reason = batch_tree_size(self.target, self.proposer, width if sampling.greedy else 1)
             self.tree_size_reason = f"fixed for this run at {reason}"
+        # A run of 1-node trees never drafts, so its passes need not return, nor its rows gather, anything for the
+        # proposer to read: the step then costs what plain decoding's does.
+        self.proposer_layers = tuple(self.proposer.hidden_layers) if self.tree_size > 1 else ()
+        self.pass_layers = self.proposer_layers + (self.record_layers or ())
         max_length = (max(prompt.numel() for prompt in prompts) + max_new_tokens + self.tree_size
                       + extra_rows(self.proposer) + 1)
         settings = (prompts, max_new_tokens, sampling, seeds)
@@ -286,7 +292,7 @@ class BatchedDecoder:
         backend = "sdpa" if mask is not None and self.attention == "cascade" else self.attention
         out = target.forward(tokens, positions, cache, mask, logits_from=width, hidden_layers=self.pass_layers,
                              backend=backend, prefix_len=0)
-        proposer_layers = len(proposer.hidden_layers)
+        proposer_layers = len(self.proposer_layers)
         count = torch.tensor(lengths, device=device)
         cache.commit(count)
         last = out.hidden[torch.arange(batch, device=device), count - 1]  # [B, H]
@@ -301,7 +307,7 @@ class BatchedDecoder:
             history[:length] = prompts[i]
             row = _Row(i, history, length, proposer.start(prompts[i], row_max), generator,
                        GenerationResult([], [], 1, 0.0, "length"), started)
-            if proposer.needs_hidden:
+            if proposer.needs_hidden and self.tree_size > 1:
                 row.new_hidden = out.hidden[b, :length]
             row.new_layer_hidden = tuple(h[b, :length] for h in out.layer_hidden[:proposer_layers])
             if self.record_layers is not None:
@@ -365,7 +371,8 @@ class BatchedDecoder:
         out = target.forward(tokens.to(device), positions.to(device), cache, mask.to(device),
                              hidden_layers=self.pass_layers, backend=self.attention,
                              prefix_len=min(committed), key_positions=key_positions.to(device))
-        proposer_layers = len(proposer.hidden_layers)
+        proposer_layers = len(self.proposer_layers)
+        reads_hidden = proposer.needs_hidden and self.tree_size > 1
         argmax = out.logits.argmax(-1).cpu() if greedy else None
         paths: list[tuple[list[int], int]] = []
         for b, (row, tree) in enumerate(zip(rows, trees)):
@@ -388,9 +395,9 @@ class BatchedDecoder:
             count_depths(result, tree, len(path) - 1)
             self.monitor.observe(tree.max_depth, len(path) - 1)
             row.pending = cpu_trees[b][0][path[1:]].tolist() + [bonus]
-            if proposer.needs_hidden or proposer.hidden_layers or row.recorded is not None:
+            if reads_hidden or proposer_layers or row.recorded is not None:
                 index = torch.tensor(path, device=device)
-                row.new_hidden = out.hidden[b, index] if proposer.needs_hidden else None
+                row.new_hidden = out.hidden[b, index] if reads_hidden else None
                 row.new_layer_hidden = tuple(h[b, index] for h in out.layer_hidden[:proposer_layers])
                 if row.recorded is not None:
                     self._record(row, out.hidden[b, index],

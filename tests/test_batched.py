@@ -457,6 +457,27 @@ def test_a_run_without_drafting_never_calls_the_proposer():
     assert [r.tokens for r in results] == [hf_greedy("llama", p, 12) for p in prompts]
 
 
+def test_a_run_without_drafting_asks_the_passes_for_no_head_features(monkeypatch):
+    """A 1-node run of an EAGLE-3 head costs what plain decoding does: no pass returns the head's layer inputs,
+    while a run that drafts asks every pass for them; both match HF greedy."""
+    target = target_for("llama")
+    proposer = head_proposers(target)["eagle3"]
+    asked = []
+    forward = type(target).forward
+
+    def spying(self, *args, hidden_layers=(), **kwargs):
+        asked.append(tuple(hidden_layers))
+        return forward(self, *args, hidden_layers=hidden_layers, **kwargs)
+
+    monkeypatch.setattr(type(target), "forward", spying)
+    references = [hf_greedy("llama", prompt) for prompt in PROMPTS]
+    check_rows(BatchedDecoder(target, proposer, tree_size=1), references, 3, "eagle3/1 node")
+    assert asked and all(layers == () for layers in asked)
+    asked.clear()
+    check_rows(BatchedDecoder(target, proposer, tree_size=4), references, 3, "eagle3/4 nodes")
+    assert asked and all(layers == tuple(proposer.hidden_layers) for layers in asked)
+
+
 @pytest.mark.parametrize("name", ["eagle3+ngram", "medusa"])
 def test_greedy_rows_drafting_alone_or_together_decode_the_same(name, monkeypatch):
     """draft_together=False drafts row by row (propose_rows is never called); both modes match HF greedy."""
