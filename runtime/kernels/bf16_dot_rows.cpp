@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "bf16_linear.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -83,11 +85,7 @@ torch::Tensor bf16_dot_linear(const torch::Tensor& x, const torch::Tensor& weigh
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.device().is_cpu() && weight.device().is_cpu(),
               "expected contiguous CPU tensors");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  torch::Tensor bias_fp32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu(), "expected a bias [N]");
-    bias_fp32 = bias->to(torch::kFloat32).contiguous();
-  }
+  const torch::Tensor bias_fp32 = linear_bias_fp32(bias, N);
   const float* bp = bias_fp32.defined() ? bias_fp32.data_ptr<float>() : nullptr;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
@@ -100,12 +98,7 @@ torch::Tensor bf16_dot_linear(const torch::Tensor& x, const torch::Tensor& weigh
       for (int64_t m = 0; m < M; m += kRowBlock)
         kDotRows[std::min(kRowBlock, M - m)](xp + m * K, wp, K, product.data() + m * N, N, chunk, stop);
     }
-    for (int64_t m = 0; m < M; ++m) {
-      for (int64_t n = begin; n < end; ++n) {
-        const float value = bp != nullptr ? product[m * N + n] + bp[n] : product[m * N + n];
-        op[m * N + n] = at::BFloat16(value);
-      }
-    }
+    round_rows(product.data(), bp, op, M, N, begin, end);
   });
   return out;
 }

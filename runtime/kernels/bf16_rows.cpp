@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "bf16_linear.h"
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -116,11 +118,7 @@ torch::Tensor bf16_rows_linear(const torch::Tensor& x, const torch::Tensor& weig
   check_weight(x, weight);
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "expected bfloat16 rows");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  torch::Tensor bias_fp32;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->device().is_cpu(), "expected a bias [N]");
-    bias_fp32 = bias->to(torch::kFloat32).contiguous();
-  }
+  const torch::Tensor bias_fp32 = linear_bias_fp32(bias, N);
   const float* bp = bias_fp32.defined() ? bias_fp32.data_ptr<float>() : nullptr;
   std::vector<float> x_fp32(M * K);
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -131,12 +129,7 @@ torch::Tensor bf16_rows_linear(const torch::Tensor& x, const torch::Tensor& weig
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     rows_times_weight(x_fp32.data(), wp, M, K, N, product.data(), begin, end);
-    for (int64_t m = 0; m < M; ++m) {
-      for (int64_t n = begin; n < end; ++n) {
-        const float value = bp != nullptr ? product[m * N + n] + bp[n] : product[m * N + n];
-        op[m * N + n] = at::BFloat16(value);
-      }
-    }
+    round_rows(product.data(), bp, op, M, N, begin, end);
   });
   return out;
 }
