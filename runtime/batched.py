@@ -143,6 +143,7 @@ class BatchedDecoder:
         else:  # chosen for the batch size of each run (``batch_tree_size``)
             self.tree_size_reason = "chosen per run from the cost curve at its batch size"
         self.tree_size = tree_size
+        self.drafting = tree_size is None or tree_size > 1  # whether this run's trees hold drafts (set per run)
         self.stats = BatchStats()
         self.monitor = monitor_for(self.proposer)
 
@@ -214,7 +215,8 @@ class BatchedDecoder:
             self.tree_size_reason = f"fixed for this run at {reason}"
         # A run of 1-node trees never drafts, so its passes need not return, nor its rows gather, anything for the
         # proposer to read: the step then costs what plain decoding's does.
-        self.proposer_layers = tuple(self.proposer.hidden_layers) if self.tree_size > 1 else ()
+        self.drafting = self.tree_size > 1
+        self.proposer_layers = tuple(self.proposer.hidden_layers) if self.drafting else ()
         self.pass_layers = self.proposer_layers + (self.record_layers or ())
         max_length = (max(prompt.numel() for prompt in prompts) + max_new_tokens + self.tree_size
                       + extra_rows(self.proposer) + 1)
@@ -307,7 +309,7 @@ class BatchedDecoder:
             history[:length] = prompts[i]
             row = _Row(i, history, length, proposer.start(prompts[i], row_max), generator,
                        GenerationResult([], [], 1, 0.0, "length"), started)
-            if proposer.needs_hidden and self.tree_size > 1:
+            if proposer.needs_hidden and self.drafting:
                 row.new_hidden = out.hidden[b, :length]
             row.new_layer_hidden = tuple(h[b, :length] for h in out.layer_hidden[:proposer_layers])
             if self.record_layers is not None:
@@ -322,9 +324,7 @@ class BatchedDecoder:
         """Draft a tree per row, verify every row's tree in one target pass, accept per row, compact the cache."""
         target, device, proposer = self.target, self.target.device, self.proposer
         greedy = sampling.greedy and self.acceptance == "exact"
-        if self.tree_size == 1:
-            # the size is fixed for the run: a proposer that may draft nothing need not read anything either
-            # (an EAGLE head would otherwise still run over every verified row)
+        if not self.drafting:  # an EAGLE head would otherwise still run over every verified row
             drafts = [Draft(Tree.chain(int(row.history[row.length - 1]), [], device=device)) for row in rows]
         else:
             steps = [ProposeInput(row.history[:row.length], row.new_hidden, row.new_layer_hidden, self.tree_size,
@@ -372,7 +372,7 @@ class BatchedDecoder:
                              hidden_layers=self.pass_layers, backend=self.attention,
                              prefix_len=min(committed), key_positions=key_positions.to(device))
         proposer_layers = len(self.proposer_layers)
-        reads_hidden = proposer.needs_hidden and self.tree_size > 1
+        reads_hidden = proposer.needs_hidden and self.drafting
         argmax = out.logits.argmax(-1).cpu() if greedy else None
         paths: list[tuple[list[int], int]] = []
         for b, (row, tree) in enumerate(zip(rows, trees)):

@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     distill.add_argument("--max-new-tokens", type=positive_int, default=256)
     distill.add_argument("--batch-size", type=positive_int, default=16,
                          help="rows decoded at once (continuous batching)")
+    distill.add_argument("--chunk", type=positive_int, default=64,
+                         help="conversations written at a time: the most a kill loses; rows idle while a chunk's "
+                              "last reply finishes, so a chunk several times --batch-size keeps them busy")
     distill.add_argument("--max-turns", type=positive_int, default=1, help="assistant turns regenerated per "
                                                                            "conversation")
     distill.add_argument("--proposer", default="none",
@@ -61,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         from training.selfdistill import DistillSettings, self_distill
 
         settings = DistillSettings(max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
-                                   batch_size=args.batch_size, temperature=args.temperature, top_p=args.top_p,
-                                   seed=args.seed, dtype=args.dtype, features_dir=args.features,
+                                   batch_size=args.batch_size, chunk=args.chunk, temperature=args.temperature,
+                                   top_p=args.top_p, seed=args.seed, dtype=args.dtype, features_dir=args.features,
                                    proposer=None if args.proposer == "none" else parse_proposer(args.proposer))
         stats = self_distill(compose_config(args.overrides), args.out, settings)
         print(f"{stats.conversations} self-distilled conversations added to {args.out} ({stats.tokens} reply "

@@ -154,6 +154,23 @@ def test_decode_attention_equals_fp32_sdpa_over_the_same_values(rows, context, d
     torch.testing.assert_close(got.float(), reference, rtol=2 ** -8, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows, heads, kv_heads", [(1, 9, 3), (16, 9, 3), (16, 8, 1), (16, 5, 1), (3, 4, 4)])
+def test_decode_attention_rows_do_not_depend_on_the_heads_sharing_their_task(rows, heads, kv_heads):
+    # a task takes as many heads of a KV group as fit (16 rows x 8 heads do not: two tasks; x 5: one head each);
+    # every head's output must be bit-identical to that head computed alone
+    kernel = built_or_fail(decode_attention)
+    query, key, value, mask = cache_like_case(rows, 50, 64, batch=2, heads=heads, kv_heads=kv_heads, seed=rows)
+    together = kernel(query, key, value, mask, 0.125)
+    group = heads // kv_heads
+    for head in range(heads):
+        kv = slice(head // group, head // group + 1)
+        alone = kernel(query[:, head:head + 1], key[:, kv], value[:, kv], mask, 0.125)
+        assert torch.equal(together[:, :, head:head + 1], alone)
+    reference = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
+                                               scale=0.125, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(together.float(), reference, rtol=2 ** -8, atol=1e-5)
+
+
 def test_decode_attention_takes_batches_no_mask_and_gives_zeros_where_nothing_is_visible():
     kernel = built_or_fail(decode_attention)
     query, key, value, mask = cache_like_case(4, 10, 64, batch=2, heads=4, kv_heads=2)

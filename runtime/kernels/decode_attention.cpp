@@ -1,14 +1,16 @@
 // Attention of a few bf16 query rows (a decode step or a verified tree) over a bf16 KV cache, for CPUs.
 //
 // For the handful of query rows of a decode step, PyTorch's CPU SDPA spends its time on setup rather than
-// arithmetic (scripts/bench_decode_ops.py measures both), and a target pass makes one call per layer. Here each (batch, head)
-// pair is one task: scores against every visible key, a softmax, and the weighted sum of values, all in fp32
-// registers over keys and values widened from bf16 on the fly. Output is written as [B, T, H, D], the layout the
-// attention module's output projection reads, so no transpose copy follows.
+// arithmetic (scripts/bench_decode_ops.py measures both), and a target pass makes one call per layer. Here one task
+// is a batch row's query heads that share a KV group (as many as fit in kMaxTaskRows rows), so each key and value is
+// widened from bf16 once for all of them: scores against every visible key, a softmax, and the weighted sum of
+// values, all in fp32 registers. Output is written as [B, T, H, D], the layout the attention module's output
+// projection reads, so no transpose copy follows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -18,6 +20,7 @@
 namespace {
 
 constexpr int64_t kMaxRows = 16;  // query rows per call; longer passes (prefills) stay on SDPA
+constexpr int64_t kMaxTaskRows = 64;  // query rows of one task: the rows of as many heads of a KV group as fit
 
 inline __m256 widen8(const uint16_t* bits) {
   __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bits));
@@ -29,6 +32,18 @@ inline float horizontal_sum(__m256 v) {
   low = _mm_hadd_ps(low, low);
   low = _mm_hadd_ps(low, low);
   return _mm_cvtss_f32(low);
+}
+
+// The horizontal sums of a[0..7] as one vector [sum(a[0]), ..., sum(a[7])], each added in horizontal_sum's order
+// ((v0 + v4) + (v1 + v5)) + ((v2 + v6) + (v3 + v7)), so a score is bit-identical either way.
+inline __m256 horizontal_sums8(const __m256* a) {
+  __m256 folded[4];
+  for (int i = 0; i < 4; ++i) {
+    folded[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x20),
+                              _mm256_permute2f128_ps(a[2 * i], a[2 * i + 1], 0x31));
+  }
+  const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(folded[0], folded[1]), _mm256_hadd_ps(folded[2], folded[3]));
+  return _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // [a0 a2 a4 a6 a1 ...] -> order
 }
 
 // exp(x) for 8 floats with x <= 0 (scores minus their row maximum): the Cephes single-precision polynomial, within
@@ -56,46 +71,75 @@ struct Strides {
   int64_t b, h, t;  // elements; the last dimension is contiguous
 };
 
-// One (batch, query head) task: rows [T, D] of q attend to S keys/values of the head's KV group. D = 8 * CHUNKS.
+// One task: R query rows [D] (the rows of one or more query heads of a KV group; each row has its own query, mask
+// and output pointers) attend to S keys/values of that group. Every key and value is widened from bf16 once per
+// task and used by all R rows, so the heads that share a KV group (grouped-query attention) share its loads too.
+// D = 8 * CHUNKS. Each row's arithmetic is the same whatever else shares its task.
 template <int CHUNKS>
-void attend_head(const uint16_t* q, Strides qs, const uint16_t* k, const uint16_t* v, Strides ks, Strides vs,
-                 const bool* mask, Strides ms, int64_t ms_s, int64_t T, int64_t S, float scale, uint16_t* out,
-                 int64_t out_row_stride, float* scores) {
+void attend_rows(const uint16_t* const* q_rows, const bool* const* mask_rows, int64_t ms_s, uint16_t* const* out_rows,
+                 int64_t R, const uint16_t* k, const uint16_t* v, int64_t ks_t, int64_t vs_t, int64_t S, float scale,
+                 float* scores) {
   constexpr int64_t D = CHUNKS * 8;
-  float query[kMaxRows][D];
-  for (int64_t t = 0; t < T; ++t) {
+  float query[kMaxTaskRows][D];
+  for (int64_t r = 0; r < R; ++r) {
     for (int64_t d = 0; d < D; ++d) {
-      uint32_t wide = static_cast<uint32_t>(q[t * qs.t + d]) << 16;
-      std::memcpy(&query[t][d], &wide, sizeof(float));
-      query[t][d] *= scale;
+      uint32_t wide = static_cast<uint32_t>(q_rows[r][d]) << 16;
+      std::memcpy(&query[r][d], &wide, sizeof(float));
+      query[r][d] *= scale;
     }
   }
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  float row_max[kMaxRows];
-  for (int64_t t = 0; t < T; ++t) row_max[t] = neg_inf;
-  for (int64_t s = 0; s < S; ++s) {
-    __m256 key[CHUNKS];
-    for (int c = 0; c < CHUNKS; ++c) key[c] = widen8(k + s * ks.t + c * 8);
-    for (int64_t t = 0; t < T; ++t) {
-      float score = neg_inf;
-      if (mask == nullptr || mask[t * ms.t + s * ms_s]) {
-        __m256 acc = _mm256_mul_ps(key[0], _mm256_loadu_ps(query[t]));
-        for (int c = 1; c < CHUNKS; ++c) acc = _mm256_fmadd_ps(key[c], _mm256_loadu_ps(query[t] + c * 8), acc);
-        score = horizontal_sum(acc);
-        if (score > row_max[t]) row_max[t] = score;
+  float row_max[kMaxTaskRows];
+  // Scores of 8 keys at a time for one row: 8 independent FMA chains (one key's chain alone waits on each FMA's
+  // latency), summed across lanes together.
+  for (int64_t r = 0; r < R; ++r) {
+    const bool* mask = mask_rows[r];
+    float* row = scores + r * S;
+    __m256 top = _mm256_set1_ps(neg_inf);
+    int64_t s = 0;
+    for (; s + 8 <= S; s += 8) {
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) {
+        const uint16_t* key = k + (s + j) * ks_t;
+        acc[j] = _mm256_mul_ps(widen8(key), _mm256_loadu_ps(query[r]));
+        for (int c = 1; c < CHUNKS; ++c)
+          acc[j] = _mm256_fmadd_ps(widen8(key + c * 8), _mm256_loadu_ps(query[r] + c * 8), acc[j]);
       }
-      scores[t * S + s] = score;
+      __m256 block = horizontal_sums8(acc);
+      if (mask != nullptr) {
+        alignas(32) int32_t visible[8];
+        for (int j = 0; j < 8; ++j) visible[j] = mask[(s + j) * ms_s] ? -1 : 0;
+        block = _mm256_blendv_ps(_mm256_set1_ps(neg_inf), block,
+                                 _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(visible))));
+      }
+      top = _mm256_max_ps(top, block);
+      _mm256_storeu_ps(row + s, block);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, top);
+    row_max[r] = *std::max_element(lanes, lanes + 8);
+    for (; s < S; ++s) {
+      float score = neg_inf;
+      if (mask == nullptr || mask[s * ms_s]) {
+        const uint16_t* key = k + s * ks_t;
+        __m256 acc = _mm256_mul_ps(widen8(key), _mm256_loadu_ps(query[r]));
+        for (int c = 1; c < CHUNKS; ++c)
+          acc = _mm256_fmadd_ps(widen8(key + c * 8), _mm256_loadu_ps(query[r] + c * 8), acc);
+        score = horizontal_sum(acc);
+        if (score > row_max[r]) row_max[r] = score;
+      }
+      row[s] = score;
     }
   }
-  float inverse_sum[kMaxRows];
-  for (int64_t t = 0; t < T; ++t) {
-    float* row = scores + t * S;
-    if (row_max[t] == neg_inf) {  // a row that may attend to nothing: zero output, not NaN
+  float inverse_sum[kMaxTaskRows];
+  for (int64_t r = 0; r < R; ++r) {
+    float* row = scores + r * S;
+    if (row_max[r] == neg_inf) {  // a row that may attend to nothing: zero output, not NaN
       std::fill(row, row + S, 0.0f);
-      inverse_sum[t] = 0.0f;
+      inverse_sum[r] = 0.0f;
       continue;
     }
-    const __m256 top = _mm256_set1_ps(row_max[t]);
+    const __m256 top = _mm256_set1_ps(row_max[r]);
     __m256 total = _mm256_setzero_ps();
     int64_t s = 0;
     for (; s + 8 <= S; s += 8) {
@@ -105,27 +149,43 @@ void attend_head(const uint16_t* q, Strides qs, const uint16_t* k, const uint16_
     }
     float sum = horizontal_sum(total);
     for (; s < S; ++s) {
-      row[s] = std::exp(row[s] - row_max[t]);
+      row[s] = std::exp(row[s] - row_max[r]);
       sum += row[s];
     }
-    inverse_sum[t] = 1.0f / sum;
+    inverse_sum[r] = 1.0f / sum;
   }
-  for (int64_t t0 = 0; t0 < T; t0 += 8) {
-    const int64_t rows = std::min<int64_t>(8, T - t0);
+  auto store_row = [&](int64_t r, int c, __m256 acc) {
+    alignas(32) float lane[8];
+    _mm256_store_ps(lane, _mm256_mul_ps(acc, _mm256_set1_ps(inverse_sum[r])));
+    uint16_t* dest = out_rows[r] + c * 8;
+    for (int i = 0; i < 8; ++i) dest[i] = at::BFloat16(lane[i]).x;
+  };
+  for (int64_t r0 = 0; r0 < R; r0 += 8) {
+    const int64_t rows = std::min<int64_t>(8, R - r0);
+    if (rows < 4) {
+      // Few rows: a row's chunks are its independent chains (rows as chains would wait on FMA latency).
+      for (int64_t r = r0; r < r0 + rows; ++r) {
+        for (int c0 = 0; c0 < CHUNKS; c0 += 8) {
+          __m256 acc[8];
+          for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+          for (int64_t s = 0; s < S; ++s) {
+            const __m256 weight = _mm256_set1_ps(scores[r * S + s]);
+            for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(weight, widen8(v + s * vs_t + (c0 + j) * 8), acc[j]);
+          }
+          for (int j = 0; j < 8; ++j) store_row(r, c0 + j, acc[j]);
+        }
+      }
+      continue;
+    }
     for (int c = 0; c < CHUNKS; ++c) {
       __m256 acc[8];
       for (int64_t r = 0; r < rows; ++r) acc[r] = _mm256_setzero_ps();
       for (int64_t s = 0; s < S; ++s) {
-        const __m256 value = widen8(v + s * vs.t + c * 8);
+        const __m256 value = widen8(v + s * vs_t + c * 8);
         for (int64_t r = 0; r < rows; ++r)
-          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scores[(t0 + r) * S + s]), value, acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scores[(r0 + r) * S + s]), value, acc[r]);
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        alignas(32) float lane[8];
-        _mm256_store_ps(lane, _mm256_mul_ps(acc[r], _mm256_set1_ps(inverse_sum[t0 + r])));
-        uint16_t* dest = out + (t0 + r) * out_row_stride + c * 8;
-        for (int i = 0; i < 8; ++i) dest[i] = at::BFloat16(lane[i]).x;
-      }
+      for (int64_t r = 0; r < rows; ++r) store_row(r0 + r, c, acc[r]);
     }
   }
 }
@@ -168,15 +228,34 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
   const auto* vp = reinterpret_cast<const uint16_t*>(value.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t group = H / Hkv;
+  // heads per task: the most heads of a group whose rows fit in a task and divide the group evenly
+  int64_t heads = 1;
+  for (int64_t n = group; n >= 1; --n) {
+    if (group % n == 0 && n * T <= kMaxTaskRows) {
+      heads = n;
+      break;
+    }
+  }
+  const int64_t tasks_per_row = H / heads;
   const float qk_scale = static_cast<float>(scale);
-  auto attend = D == 64 ? attend_head<8> : attend_head<16>;
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(T * S);
+  auto attend = D == 64 ? attend_rows<8> : attend_rows<16>;
+  at::parallel_for(0, B * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(heads * T * S);
+    const uint16_t* q_rows[kMaxTaskRows];
+    const bool* mask_rows[kMaxTaskRows];
+    uint16_t* out_rows[kMaxTaskRows];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / H, h = task % H, g = h / group;
-      attend(qp + b * qs.b + h * qs.h, qs, kp + b * ks.b + g * ks.h, vp + b * vs.b + g * vs.h, ks, vs,
-                  mp == nullptr ? nullptr : mp + b * ms.b, ms, ms_s, T, S, qk_scale, op + (b * T * H + h) * D,
-                  H * D, scores.data());
+      const int64_t b = task / tasks_per_row, first = (task % tasks_per_row) * heads, g = first / group;
+      for (int64_t i = 0; i < heads; ++i) {
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t r = i * T + t, h = first + i;
+          q_rows[r] = qp + b * qs.b + h * qs.h + t * qs.t;
+          mask_rows[r] = mp == nullptr ? nullptr : mp + b * ms.b + t * ms.t;
+          out_rows[r] = op + ((b * T + t) * H + h) * D;
+        }
+      }
+      attend(q_rows, mask_rows, ms_s, out_rows, heads * T, kp + b * ks.b + g * ks.h, vp + b * vs.b + g * vs.h,
+             ks.t, vs.t, S, qk_scale, scores.data());
     }
   });
   return out;
