@@ -222,3 +222,17 @@ def test_norm_scale_is_the_weight_for_llama_norms_and_one_plus_it_for_gemma():
         gemma.weight.copy_(weight)
     torch.testing.assert_close(norm_scale(llama), weight, atol=1e-5, rtol=0)
     torch.testing.assert_close(norm_scale(gemma), 1 + weight, atol=1e-5, rtol=0)
+
+
+def test_held_out_conversations_never_take_a_trained_one_as_the_store_grows():
+    from training.recorded import held_out_conversations
+
+    sizes = (40, 100, 400, 1000)
+    chosen = [held_out_conversations(list(range(size)), 8, seed=0) for size in sizes]
+    for size, smaller, larger in zip(sizes, chosen, chosen[1:]):
+        assert len(larger) == 8
+        trained = set(range(size)) - smaller  # what a run on the smaller store trained on ...
+        assert not larger & trained  # ... never becomes held out in the grown store
+    assert chosen[-1] != chosen[0]  # and it does change: newer conversations can rank lower
+    assert held_out_conversations(list(range(1000)), 8, seed=1) != chosen[-1]
+    assert held_out_conversations(list(reversed(range(1000))), 8, seed=0) == chosen[-1]

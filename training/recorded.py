@@ -22,9 +22,9 @@ than ``data.max_length`` keeps its end), its features the target's (in the dtype
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import random
 import re
 from pathlib import Path
 
@@ -107,6 +107,18 @@ def settings_differences(found: dict, wanted: dict) -> list[str]:
             if found.get(key) != wanted.get(key)]
 
 
+def held_out_conversations(conversations: list[int], count: int, seed: int) -> set[int]:
+    """The ``count`` conversation ids of ``conversations`` whose hash with ``seed`` ranks lowest.
+
+    A store grows while a long run trains on it (recording and training take turns, ``resume=true``). Ranking by a
+    hash keeps the choice stable under growth: a newly recorded conversation can only push a held-out one into
+    training, never move one a run has trained on into the held-out set (its rank can only rise)."""
+    def rank(conversation: int) -> bytes:
+        return hashlib.blake2b(f"{seed}:{conversation}".encode(), digest_size=8).digest()
+
+    return set(sorted(conversations, key=rank)[:count])
+
+
 class RecordedStore:
     """A recorded store, read: its description, its samples (sorted by conversation, then turn) and their features.
 
@@ -176,15 +188,14 @@ class RecordedStore:
 
     def splits(self, val_samples: int, max_samples: int | None, seed: int, min_assistant_tokens: int):
         """(DatasetDict "train"/"validation" of {"input_ids", "assistant_mask"}, the train samples' keys):
-        ``val_samples`` conversations (all their turns) held out, chosen by ``seed``."""
+        ``val_samples`` conversations (all their turns) held out (``held_out_conversations``)."""
         from datasets import Dataset, DatasetDict
 
         conversations = sorted({_key_order(key)[0] for key in self.keys})
         if len(conversations) <= val_samples:
             raise ValueError(f"the recorded store {self.directory} holds {len(conversations)} conversations; "
                              f"data.val_samples={val_samples} leaves none to train on: record more or lower it")
-        random.Random(seed).shuffle(conversations)
-        held_out = set(conversations[:val_samples])
+        held_out = held_out_conversations(conversations, val_samples, seed)
         split = {"train": [], "validation": []}
         for key in self.keys:
             sample = self.tokens(key)
