@@ -1,9 +1,10 @@
 """Time the per-layer ops of a bf16 decode pass: PyTorch against the compiled kernels, in one process.
 
-    python scripts/bench_decode_ops.py --rows 1 2 4 8 16 --context 300
+    python scripts/bench_decode_ops.py --rows 1 2 4 8 16 --context 300 [--batch 32]
 
 Attention: SmolLM2-135M's heads (9 query heads, 3 KV heads, head size 64) over ``--context`` cached positions plus
-the new rows, keys and values as views of a longer cache buffer and a tree mask, as a verification pass has them;
+the new rows, keys and values as views of a longer cache buffer and a tree mask, as a verification pass has them,
+for ``--batch`` rows of a batch (a batched decode step: every row its own cache);
 PyTorch's SDPA (what the attention module runs otherwise, with the transpose to [B, T, H, D] after it) against
 ``runtime.kernels.decode_attention``. RMSNorm: transformers' LlamaRMSNorm over the rows against
 ``runtime.kernels.rms_norm_rows``. A pass runs 30 attention calls and 61 norms. Reports median microseconds over
@@ -32,23 +33,24 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=1, help="batch rows (prompts decoded together)")
     args = parser.parse_args(argv)
     attention, norm_rows = decode_attention(), rms_norm_rows()
     if attention is None or norm_rows is None:
         raise SystemExit("the decode kernels are not available on this machine (need AVX2, a C++ compiler, ninja)")
     norm = LlamaRMSNorm(HIDDEN, eps=1e-5).bfloat16()
-    print(f"{torch.get_num_threads()} threads, context {args.context}")
+    print(f"{torch.get_num_threads()} threads, context {args.context}, batch {args.batch}")
     print("| rows | SDPA us | attention kernel us | ratio | LlamaRMSNorm us | norm kernel us | ratio |\n"
           "|---:|---:|---:|---:|---:|---:|---:|")
     for rows in args.rows:
         slots = args.context + rows
-        cache = torch.randn(2, 1, KV_HEADS, slots + 64, HEAD_SIZE).bfloat16()
+        cache = torch.randn(2, args.batch, KV_HEADS, slots + 64, HEAD_SIZE).bfloat16()
         key, value = cache[0, :, :, :slots], cache[1, :, :, :slots]
-        query = torch.randn(1, rows, HEADS, HEAD_SIZE).bfloat16().transpose(1, 2)
-        mask = torch.ones(1, 1, rows, slots, dtype=torch.bool)
+        query = torch.randn(args.batch, rows, HEADS, HEAD_SIZE).bfloat16().transpose(1, 2)
+        mask = torch.ones(args.batch, 1, rows, slots, dtype=torch.bool)
         mask[..., args.context:] = torch.ones(rows, rows, dtype=torch.bool).tril()
         scale = HEAD_SIZE ** -0.5
-        hidden = torch.randn(1, rows, HIDDEN).bfloat16()
+        hidden = torch.randn(args.batch, rows, HIDDEN).bfloat16()
         times = {"sdpa": [], "kernel": [], "norm": [], "norm kernel": []}
         for _ in range(3):  # interleaved rounds, so that a slow spell of the machine hits both alike
             times["sdpa"].append(median_ms(lambda: F.scaled_dot_product_attention(

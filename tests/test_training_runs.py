@@ -545,6 +545,12 @@ def test_features_recorded_while_self_distilling_train_a_head(tiny, tmp_path):
                                                                f"features.dir={store_dir}", "data.val_samples=2",
                                                                "eval.at_start=false", "trainer.lr=3e-3"])
     assert summary["features"] == "recorded" and summary["final_eval"]["step"] == 4
+    # a grown store's new part: only conversations 3.. train and are held out
+    splits, keys = store.splits(2, None, 0, 2, first_conversation=3)
+    assert keys and all(int(key[1:].split(".")[0]) >= 3 for key in keys)
+    assert len(splits["train"]) + len(splits["validation"]) <= 5
+    with pytest.raises(ValueError, match="features.first_conversation"):
+        store.splits(2, None, 0, 2, first_conversation=6)
     medusa = run_config(tiny, tmp_path / "medusa", "medusa", 2, ["features.mode=recorded",
                                                                  f"features.dir={store_dir}", "data.val_samples=2"])
     assert medusa["steps"] == 2  # a store recorded for EAGLE-3 holds the last hidden state every head reads

@@ -119,6 +119,9 @@ class FeaturesConf:
     topk: int = 0  # offline: store the target's top-k log-probs (0: recompute exact logits from the stored hidden)
     dtype: str = "float32"  # storage dtype of offline hidden states
     batch_size: int = 8  # extraction batch
+    # recorded: train and hold out only the store's conversations from this id on (a grown store's new part, which a
+    # head continued from an earlier stage on the same store never saw)
+    first_conversation: int = 0
 
 
 @dataclass
@@ -229,6 +232,9 @@ def validate(config: TrainConfig) -> None:
                         + ", ".join(f"head={name}" for name in HEAD_TYPES))
     if config.features.mode not in ("online", "offline", "recorded"):
         problems.append(f"features.mode={config.features.mode!r}: choose online, offline or recorded")
+    if config.features.first_conversation < 0:
+        problems.append(f"features.first_conversation={config.features.first_conversation} must be >= 0 (a "
+                        f"conversation id of the recorded store)")
     if config.features.mode == "recorded" and not config.features.dir:
         problems.append("features.mode=recorded trains on a recorded store: pass features.dir=<DIR written by "
                         "scripts/prepare_data.py selfdistill --features DIR>")

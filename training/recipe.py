@@ -110,7 +110,7 @@ class TrainRecipe:
             recorded.check(self.target.identity, tokenizer_fingerprint(self.target.tokenizer), [])
             data = conf.data
             splits, recorded_keys = recorded.splits(data.val_samples, data.max_samples, data.seed,
-                                                    data.min_assistant_tokens)
+                                                    data.min_assistant_tokens, conf.features.first_conversation)
         else:
             splits = load_splits(conf.data, self.target.tokenizer, self.dist.is_main, ds.barrier)
         self.train_split = splits["train"]

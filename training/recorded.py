@@ -17,7 +17,8 @@ A chunk generated again after a kill rewrites its shard under the same name, so 
 
 ``features.mode=recorded features.dir=DIR`` trains from a store: its samples are the data (``data.val_samples``
 conversations held out, chosen by ``data.seed``; at most ``data.max_samples`` training samples; a sample longer
-than ``data.max_length`` keeps its end), its features the target's (in the dtype they were generated in).
+than ``data.max_length`` keeps its end; ``features.first_conversation``: only conversations from that id on), its
+features the target's (in the dtype they were generated in).
 """
 
 from __future__ import annotations
@@ -186,18 +187,22 @@ class RecordedStore:
         return {name: self._tensor(key, name)[start:] for name in ("hidden", "layer_hidden")
                 if name in self._names[key]}
 
-    def splits(self, val_samples: int, max_samples: int | None, seed: int, min_assistant_tokens: int):
-        """(DatasetDict "train"/"validation" of {"input_ids", "assistant_mask"}, the train samples' keys):
-        ``val_samples`` conversations (all their turns) held out (``held_out_conversations``)."""
+    def splits(self, val_samples: int, max_samples: int | None, seed: int, min_assistant_tokens: int,
+               first_conversation: int = 0):
+        """(DatasetDict "train"/"validation" of {"input_ids", "assistant_mask"}, the train samples' keys): the
+        conversations from id ``first_conversation`` on, ``val_samples`` of them (all their turns) held out
+        (``held_out_conversations``)."""
         from datasets import Dataset, DatasetDict
 
-        conversations = sorted({_key_order(key)[0] for key in self.keys})
+        keys = [key for key in self.keys if _key_order(key)[0] >= first_conversation]
+        conversations = sorted({_key_order(key)[0] for key in keys})
         if len(conversations) <= val_samples:
-            raise ValueError(f"the recorded store {self.directory} holds {len(conversations)} conversations; "
-                             f"data.val_samples={val_samples} leaves none to train on: record more or lower it")
+            raise ValueError(f"the recorded store {self.directory} holds {len(conversations)} conversations from id "
+                             f"{first_conversation} on (features.first_conversation); data.val_samples={val_samples} "
+                             f"leaves none to train on: record more or lower it")
         held_out = held_out_conversations(conversations, val_samples, seed)
         split = {"train": [], "validation": []}
-        for key in self.keys:
+        for key in keys:
             sample = self.tokens(key)
             if sum(sample["assistant_mask"]) >= min_assistant_tokens:
                 split["validation" if _key_order(key)[0] in held_out else "train"].append((key, sample))
