@@ -156,10 +156,11 @@ def test_decode_attention_equals_fp32_sdpa_over_the_same_values(rows, context, d
 
 @pytest.mark.parametrize("rows, heads, kv_heads", [(1, 9, 3), (16, 9, 3), (16, 8, 1), (16, 5, 1), (3, 4, 4)])
 def test_decode_attention_rows_do_not_depend_on_the_heads_sharing_their_task(rows, heads, kv_heads):
-    # a task takes as many heads of a KV group as fit (16 rows x 8 heads do not: two tasks; x 5: one head each);
-    # every head's output must be bit-identical to that head computed alone
+    # a task takes as many heads of a KV group as fit (16 rows x 8 heads do not: two tasks; x 5: one head each)
+    # while there are a few tasks per thread (hence 8 batch rows); every head's output must be bit-identical to that
+    # head computed alone
     kernel = built_or_fail(decode_attention)
-    query, key, value, mask = cache_like_case(rows, 50, 64, batch=2, heads=heads, kv_heads=kv_heads, seed=rows)
+    query, key, value, mask = cache_like_case(rows, 50, 64, batch=8, heads=heads, kv_heads=kv_heads, seed=rows)
     together = kernel(query, key, value, mask, 0.125)
     group = heads // kv_heads
     for head in range(heads):

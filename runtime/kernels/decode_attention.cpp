@@ -228,10 +228,12 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
   const auto* vp = reinterpret_cast<const uint16_t*>(value.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t group = H / Hkv;
-  // heads per task: the most heads of a group whose rows fit in a task and divide the group evenly
+  // heads per task: the most heads of a group whose rows fit in a task and divide the group evenly, while there are
+  // still a few tasks per thread (a decode step of one row has only B * H of them to spread)
+  const int64_t min_tasks = 4 * static_cast<int64_t>(at::get_num_threads());
   int64_t heads = 1;
   for (int64_t n = group; n >= 1; --n) {
-    if (group % n == 0 && n * T <= kMaxTaskRows) {
+    if (group % n == 0 && n * T <= kMaxTaskRows && B * (H / n) >= min_tasks) {
       heads = n;
       break;
     }
