@@ -143,9 +143,13 @@ class BatchedDecoder:
         else:  # chosen for the batch size of each run (``batch_tree_size``)
             self.tree_size_reason = "chosen per run from the cost curve at its batch size"
         self.tree_size = tree_size
-        self.drafting = tree_size is None or tree_size > 1  # whether this run's trees hold drafts (set per run)
         self.stats = BatchStats()
         self.monitor = monitor_for(self.proposer)
+
+    @property
+    def drafting(self) -> bool:
+        """Whether the current run's trees hold drafts (its tree size, set per run, is above 1)."""
+        return self.tree_size > 1
 
     @staticmethod
     def _record(row: _Row, hidden: torch.Tensor, layer_hidden: tuple[torch.Tensor, ...]) -> None:
@@ -215,7 +219,6 @@ class BatchedDecoder:
             self.tree_size_reason = f"fixed for this run at {reason}"
         # A run of 1-node trees never drafts, so its passes need not return, nor its rows gather, anything for the
         # proposer to read: the step then costs what plain decoding's does.
-        self.drafting = self.tree_size > 1
         self.proposer_layers = tuple(self.proposer.hidden_layers) if self.drafting else ()
         self.pass_layers = self.proposer_layers + (self.record_layers or ())
         max_length = (max(prompt.numel() for prompt in prompts) + max_new_tokens + self.tree_size

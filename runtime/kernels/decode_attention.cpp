@@ -34,6 +34,14 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(low);
 }
 
+// One key's products with a query row [D], lane by lane: the first chunk multiplied, the others added in order.
+template <int CHUNKS>
+inline __m256 key_products(const uint16_t* key, const float* query) {
+  __m256 acc = _mm256_mul_ps(widen8(key), _mm256_loadu_ps(query));
+  for (int c = 1; c < CHUNKS; ++c) acc = _mm256_fmadd_ps(widen8(key + c * 8), _mm256_loadu_ps(query + c * 8), acc);
+  return acc;
+}
+
 // The horizontal sums of a[0..7] as one vector [sum(a[0]), ..., sum(a[7])], each added in horizontal_sum's order
 // ((v0 + v4) + (v1 + v5)) + ((v2 + v6) + (v3 + v7)), so a score is bit-identical either way.
 inline __m256 horizontal_sums8(const __m256* a) {
@@ -99,12 +107,7 @@ void attend_rows(const uint16_t* const* q_rows, const bool* const* mask_rows, in
     int64_t s = 0;
     for (; s + 8 <= S; s += 8) {
       __m256 acc[8];
-      for (int j = 0; j < 8; ++j) {
-        const uint16_t* key = k + (s + j) * ks_t;
-        acc[j] = _mm256_mul_ps(widen8(key), _mm256_loadu_ps(query[r]));
-        for (int c = 1; c < CHUNKS; ++c)
-          acc[j] = _mm256_fmadd_ps(widen8(key + c * 8), _mm256_loadu_ps(query[r] + c * 8), acc[j]);
-      }
+      for (int j = 0; j < 8; ++j) acc[j] = key_products<CHUNKS>(k + (s + j) * ks_t, query[r]);
       __m256 block = horizontal_sums8(acc);
       if (mask != nullptr) {
         alignas(32) int32_t visible[8];
@@ -121,11 +124,7 @@ void attend_rows(const uint16_t* const* q_rows, const bool* const* mask_rows, in
     for (; s < S; ++s) {
       float score = neg_inf;
       if (mask == nullptr || mask[s * ms_s]) {
-        const uint16_t* key = k + s * ks_t;
-        __m256 acc = _mm256_mul_ps(widen8(key), _mm256_loadu_ps(query[r]));
-        for (int c = 1; c < CHUNKS; ++c)
-          acc = _mm256_fmadd_ps(widen8(key + c * 8), _mm256_loadu_ps(query[r] + c * 8), acc);
-        score = horizontal_sum(acc);
+        score = horizontal_sum(key_products<CHUNKS>(k + s * ks_t, query[r]));
         if (score > row_max[r]) row_max[r] = score;
       }
       row[s] = score;
