@@ -229,9 +229,11 @@ class SpeculativeDecoder:
                 result.draft_seconds += time.perf_counter() - drafting
                 path, bonus, out = self._verify(draft, cache, sampling, generator, hidden_layers)
                 extra_logits = out.logits[0, tree.size:] if draft.extra_count else None
-                if self.sizer is not None:
-                    # a step's time counts when the tree had the size asked for (lookup that finds nothing
-                    # drafts less); learning costs from timings is off when a seeded sampling run must repeat
+                if self.sizer is not None and not draft.extra_count:
+                    # A pass with extra rows (lookahead's window behind lookup) is sized by its proposer: its
+                    # acceptance and time would teach the sizer about another drafter than the one it sizes.
+                    # A step's time counts when the tree had the size asked for (lookup that finds nothing
+                    # drafts less); learning costs from timings is off when a seeded sampling run must repeat.
                     timed = tree.size == size and sampling.greedy
                     seconds = synchronized_seconds(device, drafting) if timed else None
                     self.sizer.observe(size, tree.max_depth, len(path) - 1, seconds)

@@ -44,7 +44,7 @@ def parse_args(argv=None):
                                           "given); heads as medusa:DIR, eagle:DIR, eagle3:DIR (medusa alone: the "
                                           "shipped head); HEAD+ngram: prompt lookup where it finds a match, "
                                           "the head elsewhere; lookahead, lookahead+ngram (lookahead decoding, "
-                                          "prompt lookup's continuations joining its pool), either as "
+                                          "prompt lookup first, lookahead where it finds nothing), either as "
                                           "lookahead:W,N,G for its window, n-gram size and candidates; "
                                           "METHOD@N fixes that method's tree size to N nodes; "
                                           "hf-greedy-bf16 and hf-pld-bf16 run HF on a bfloat16 copy of the target; "

@@ -2,8 +2,8 @@
 
 Proposers (``--proposer``, and ``--methods`` of the benchmark): ``none``, ``ngram``, ``draft`` (with
 ``--draft-model``), a head ``medusa`` / ``eagle`` / ``eagle3``, ``HEAD+ngram`` (prompt lookup first), and
-``HEAD:DIR`` / ``HEAD+ngram:DIR`` for a head directory, ``lookahead`` / ``lookahead+ngram`` (prompt lookup's
-continuations join the pool), with ``:W,N,G`` for its sizes -> ``runtime.proposers.ProposerSpec``.
+``HEAD:DIR`` / ``HEAD+ngram:DIR`` for a head directory, ``lookahead`` / ``lookahead+ngram`` (prompt lookup first,
+lookahead elsewhere), with ``:W,N,G`` for its sizes -> ``runtime.proposers.ProposerSpec``.
 
 Benchmark methods (``--methods``): a proposer as above, optionally ``@N`` (its verified tree size); the peer
 decoders ``economize-eagle3[:DIR]``, ``economize-medusa[:DIR]``, ``flashspec-ngram`` (``runtime.peers``; ``@N``:

@@ -49,7 +49,7 @@ def parse_args(argv=None):
                         help="none, ngram, draft (--draft-model), or a head: medusa, eagle, eagle3 (--head, or "
                              "HEAD:DIR); HEAD+ngram drafts by prompt lookup where it finds a match, by the head "
                              "elsewhere; lookahead (lookahead decoding: n-grams from the target's own Jacobi "
-                             "guesses), lookahead+ngram (prompt lookup's continuations join them), either as "
+                             "guesses), lookahead+ngram (prompt lookup first, lookahead elsewhere), either as "
                              "lookahead:W,N,G for a window of W, n-grams of N tokens and at most G candidates "
                              "(default: chosen from this machine's cost curve)")
     parser.add_argument("--draft-model", help="draft model for --proposer draft")

@@ -69,14 +69,17 @@ def test_every_proposer_matches_hf_greedy_at_every_batch_size(arch):
 
 def test_lookahead_rows_match_hf_greedy_with_their_own_tree_size():
     """Each row's window rides beside its tree (a different number of nodes per row, padded to the longest); the
-    proposer's own tree size holds at every batch size."""
+    proposer's own tree size holds at every batch size (behind lookup, the size chosen for the batch caps both
+    lookup's trees and lookahead's trie)."""
     target = target_for("llama")
     references = [hf_greedy("llama", prompt) for prompt in PROMPTS]
     for name, proposer in lookahead_proposers().items():
         decoder = BatchedDecoder(target, proposer)
         for batch_size in (3, 8):
             check_rows(decoder, references, batch_size, f"{name}/own size")
-            assert decoder.tree_size == proposer.tree_size and "own size" in decoder.tree_size_reason
+            own = "own size" in decoder.tree_size_reason
+            assert own == (name != "lookahead+ngram")
+            assert decoder.tree_size == proposer.tree_size or not own
     # sampling: each row draws what it draws decoded alone with its seed
     proposer = lookahead_proposers()["lookahead+ngram"]
     seeds = list(range(len(PROMPTS)))

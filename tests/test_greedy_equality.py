@@ -6,6 +6,7 @@ import torch
 from runtime.decoder import SpeculativeDecoder
 from runtime.proposers.draft_model import DraftModelProposer
 from runtime.proposers.lookahead import LookaheadProposer
+from runtime.proposers.lookup_first import LookupFirstProposer
 from runtime.proposers.ngram import NgramProposer
 from runtime.proposers.spec import LookaheadSettings
 from runtime.target import target_from_model
@@ -55,7 +56,7 @@ def lookahead_proposers():
     return {
         "lookahead": LookaheadProposer(LookaheadSettings(4, 3, 4)),
         "lookahead-narrow": LookaheadProposer(LookaheadSettings(1, 4, 2)),
-        "lookahead+ngram": LookaheadProposer(LookaheadSettings(3, 4, 3), NgramProposer()),
+        "lookahead+ngram": LookupFirstProposer(LookaheadProposer(LookaheadSettings(3, 4, 3)), NgramProposer()),
     }
 
 

@@ -14,6 +14,7 @@ from runtime.proposers import ProposerSpec, build_proposer
 from runtime.proposers.lookahead import (LookaheadProposer, NgramPool, choose_settings,
                                          jacobi_update, pass_rows, window_mask, window_ngrams, window_offsets,
                                          window_tokens)
+from runtime.proposers.lookup_first import LookupFirstProposer
 from runtime.proposers.ngram import NgramProposer
 from runtime.proposers.spec import LookaheadSettings
 from runtime.target import target_from_model
@@ -176,12 +177,15 @@ def test_settings_are_checked():
 def test_build_proposer_spells_lookahead_and_lookahead_with_lookup():
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
     proposer = build_proposer(ProposerSpec("lookahead", lookahead=(4, 3, 5)), target)
-    assert isinstance(proposer, LookaheadProposer) and proposer.name == "lookahead" and proposer.lookup is None
+    assert isinstance(proposer, LookaheadProposer) and proposer.name == "lookahead"
     assert proposer.extra_rows == 7 and proposer.tree_size == 11
+    assert "own size" in SpeculativeDecoder(target, proposer).tree_size_reason
     both = build_proposer(ProposerSpec("lookahead", lookup_first=True, lookahead=(4, 3, 5)), target)
     assert both.name == "lookahead+ngram" and isinstance(both.lookup, NgramProposer)
+    assert isinstance(both.head, LookaheadProposer) and both.head.settings == LookaheadSettings(4, 3, 5)
+    assert both.extra_rows == 7 and both.tree_size is None  # lookup's trees are sized adaptively
     decoder = SpeculativeDecoder(target, both)
-    assert decoder.tree_size == 11 and "own size" in decoder.tree_size_reason
+    assert "adaptive" in decoder.tree_size_reason and decoder.extra_rows == 7
 
 
 def hf_greedy(prompt, new_tokens):
@@ -198,6 +202,34 @@ def test_the_pool_fills_and_gets_drafts_accepted():
     result = SpeculativeDecoder(target, LookaheadProposer(LookaheadSettings(4, 3, 4))).generate(prompt, 48)
     assert result.tokens == reference
     assert result.tau > 1.0 and max(result.tree_sizes) > 1
+
+
+def test_behind_lookup_the_window_rides_only_where_lookup_finds_nothing():
+    """lookahead+ngram: a step where prompt lookup finds a continuation verifies lookup's own tree (here deeper than
+    lookahead's 3-node trie) and no window rows; the other steps carry the window. Adaptive sizing learns only from
+    the lookup steps, and the output stays the target's."""
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    prompt = [9, 4, 9, 4, 9, 4, 9, 4, 9, 4, 9, 4]
+    drafts = []
+
+    class Recording(LookupFirstProposer):
+        def propose(self, state, step):
+            drafts.append(Draft.of(super().propose(state, step)))
+            return drafts[-1]
+
+    proposer = Recording(LookaheadProposer(LookaheadSettings(1, 3, 1)), NgramProposer())
+    for tree_size in (8, None):
+        drafts.clear()
+        decoder = SpeculativeDecoder(target, proposer, tree_size=tree_size)
+        assert decoder.generate(prompt, 48).tokens == hf_greedy(prompt, 48)
+        lookup = [d for d in drafts if not d.extra_count]
+        assert lookup and len(lookup) < len(drafts)  # both kinds of step happened
+        assert all(d.extra_count == proposer.extra_rows and d.tree.size <= 3 for d in drafts if d.extra_count)
+        if tree_size == 8:
+            assert max(d.tree.size for d in lookup) > 3
+        else:
+            observed = sum(d.tree.max_depth >= 1 for d in lookup)
+            assert decoder.sizer.acceptance.attempts[0] == observed
 
 
 def test_a_proposer_asking_for_more_extra_rows_than_it_declares_is_refused():

@@ -13,6 +13,7 @@ from runtime.acceptance import rejection_accept
 from runtime.decoder import SpeculativeDecoder
 from runtime.proposers.draft_model import DraftModelProposer
 from runtime.proposers.lookahead import LookaheadProposer
+from runtime.proposers.lookup_first import LookupFirstProposer
 from runtime.proposers.ngram import NgramProposer
 from runtime.proposers.spec import LookaheadSettings
 from runtime.sampling import SamplingParams, processed_probs
@@ -79,7 +80,8 @@ PROPOSERS = {
     "random": lambda target: RandomProposer(VOCAB, seed=3),
     # the window's guesses are the target's argmax even when sampling; its trie goes through the exact acceptance
     "lookahead": lambda target: LookaheadProposer(LookaheadSettings(3, 3, 3)),
-    "lookahead+ngram": lambda target: LookaheadProposer(LookaheadSettings(2, 3, 2), NgramProposer(max_ngram=2)),
+    "lookahead+ngram": lambda target: LookupFirstProposer(LookaheadProposer(LookaheadSettings(2, 3, 2)),
+                                                     NgramProposer(max_ngram=2)),
 }
 
 

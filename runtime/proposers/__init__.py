@@ -127,15 +127,15 @@ def build_proposer(spec: ProposerSpec, target, dtype=None) -> Proposer:
     'draft'``; default: the target's)."""
     if not isinstance(spec, ProposerSpec):
         raise TypeError(f"build_proposer takes a ProposerSpec, not {type(spec).__name__} ({spec!r})")
-    if spec.name == "lookahead":  # lookup's continuations join the pool's candidates: no lookup-first wrapper
-        from runtime.proposers.lookahead import LookaheadProposer
-
-        return LookaheadProposer.for_target(target, spec.lookahead, NgramProposer() if spec.lookup_first else None)
     if spec.lookup_first:
         from runtime.proposers.lookup_first import LookupFirstProposer
 
-        head = ProposerSpec(spec.name, head=spec.head)
+        head = ProposerSpec(spec.name, head=spec.head, lookahead=spec.lookahead)
         return LookupFirstProposer(build_proposer(head, target, dtype), NgramProposer())
+    if spec.name == "lookahead":
+        from runtime.proposers.lookahead import LookaheadProposer
+
+        return LookaheadProposer.for_target(target, spec.lookahead)
     if spec.name == "none":
         return NoProposer()
     if spec.name == "ngram":

@@ -17,8 +17,11 @@ columns 1 .. j, then its own column's guesses at levels 1 .. l. After each pass 
 forward whatever was accepted (as the reference implementation does by default): its guesses are only a source of
 n-grams, and a window kept aligned to the accepted text would have to be refilled at every long acceptance.
 
-``lookahead+ngram``: prompt lookup's continuations (runtime/proposers/ngram.py) go into the trie first, the pool's
-after them.
+``lookahead+ngram`` is prompt lookup first (runtime/proposers/lookup_first.py): where lookup finds a continuation,
+its tree is verified at the size adaptive sizing learned for lookup, without the window; elsewhere this proposer's
+trie and window. The earlier form, lookup's continuations joined into this proposer's trie, capped them at the
+trie's size; the two forms measured the same speed (scripts/results/README.md, "Lookahead decoding"), and this one
+sizes each drafter's trees by its own rule.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from dataclasses import dataclass
 import torch
 
 from runtime.proposers.base import ProposeInput
-from runtime.proposers.ngram import NgramProposer, find_continuations
 from runtime.proposers.spec import LookaheadSettings
 from runtime.tree import Draft, Tree
 from runtime.tree_sizing import interpolated_cost
@@ -154,8 +156,7 @@ class LookaheadState:
 
 
 class LookaheadProposer:
-    """Lookahead decoding with ``settings`` (W, N, G); with ``lookup``, prompt lookup's continuations go into the
-    trie before the pool's.
+    """Lookahead decoding with ``settings`` (W, N, G).
 
     Its trees are as wide as G candidates side by side, which adaptive sizing (a chain model) would shrink to one
     candidate: the decoder verifies trees of its own ``tree_size`` (1 + G (N - 1), ``own_tree_size``) unless given
@@ -165,28 +166,28 @@ class LookaheadProposer:
     needs_hidden = False
     own_tree_size = True
 
-    def __init__(self, settings: LookaheadSettings, lookup: NgramProposer | None = None, reason: str | None = None):
+    name = "lookahead"
+
+    def __init__(self, settings: LookaheadSettings, reason: str | None = None):
         if not isinstance(settings, LookaheadSettings):
             raise TypeError(f"LookaheadProposer takes LookaheadSettings, not {type(settings).__name__}")
         self.settings = settings
-        self.lookup = lookup
-        self.name = "lookahead" + (f"+{lookup.name}" if lookup is not None else "")
         self.extra_rows = settings.window_rows
         self.tree_size = settings.tree_size
         self.tree_size_reason = reason or f"{settings}"
-        self.max_depth = max(settings.ngram - 1, lookup.max_depth if lookup is not None else 0)
+        self.max_depth = settings.ngram - 1
         # what sizing by the cost model assumes where the proposer's own size does not apply (a batch of rows)
-        self.expected_acceptance = max(PRIOR_ACCEPTANCE, lookup.expected_acceptance if lookup else 0.0)
+        self.expected_acceptance = PRIOR_ACCEPTANCE
 
     @classmethod
-    def for_target(cls, target, settings: LookaheadSettings | None = None, lookup: NgramProposer | None = None):
+    def for_target(cls, target, settings: LookaheadSettings | None = None):
         """With ``settings``, or with the settings chosen from ``target``'s measured cost curve."""
         if settings is not None:
-            return cls(settings, lookup, reason=f"{settings}, as given")
+            return cls(settings, reason=f"{settings}, as given")
         from runtime.cost_model import cost_curve
 
         chosen, why = choose_settings(cost_curve(target))
-        return cls(chosen, lookup, reason=why)
+        return cls(chosen, reason=why)
 
     def start(self, prompt: torch.Tensor, max_length: int) -> LookaheadState:
         s = self.settings
@@ -207,12 +208,7 @@ class LookaheadProposer:
             state.levels = jacobi_update(state.levels, new)
             state.updates += 1
         root = int(step.history[-1])
-        sequences: list = []
-        lookup = self.lookup
-        if lookup is not None and step.tree_size > 1:
-            sequences = find_continuations(step.history.cpu().numpy(), lookup.max_ngram, lookup.min_ngram,
-                                           lookup.max_matches, min(lookup.max_depth, step.tree_size - 1))
-        sequences += state.pool.candidates(root)[: s.candidates]
+        sequences = state.pool.candidates(root)[: s.candidates]
         tree = Tree.from_sequences(root, sequences, step.tree_size, device=step.history.device)
         state.root = root
         return Draft(tree, window_tokens(state.levels), state.offsets, state.mask)

@@ -11,6 +11,9 @@ it next drafts. One head pass over the rows of several steps costs about as much
 (a decode-sized pass is bound by reading the weights and by per-call overhead), so lookup steps cost the head
 nothing.
 
+A head that asks for extra rows (lookahead's Jacobi window) gets them only in the steps it drafts: a lookup step's
+pass carries none, so the next draft's ``extra_logits`` are None and the head skips that update.
+
 Either tree is verified by the same exact acceptance, so the output stays the target's.
 """
 
@@ -21,7 +24,7 @@ from typing import Any
 
 import torch
 
-from runtime.proposers.base import Proposer, ProposeInput, propose_rows
+from runtime.proposers.base import Proposer, ProposeInput, extra_rows, propose_rows, sizes_own_tree
 from runtime.proposers.ngram import NgramProposer
 from runtime.tree import Tree
 
@@ -42,7 +45,8 @@ def _with_pending(state: LookupFirstState, step: ProposeInput) -> ProposeInput:
     hidden = None if step.new_hidden is None else torch.cat([*state.hidden, step.new_hidden])
     layer_hidden = tuple(torch.cat(parts) for parts in zip(*state.layer_hidden, step.new_layer_hidden))
     state.hidden, state.layer_hidden = [], []
-    return ProposeInput(step.history, hidden, layer_hidden, step.tree_size, step.sampling, step.generator)
+    return ProposeInput(step.history, hidden, layer_hidden, step.tree_size, step.sampling, step.generator,
+                        step.extra_logits)
 
 
 class LookupFirstProposer:
@@ -57,7 +61,9 @@ class LookupFirstProposer:
         # Without a measured tree size the cost model sizes the tree; it has to hold lookup's chains as well as the
         # head's guesses, so it is sized for the better of the two drafters.
         self.expected_acceptance = max(head.expected_acceptance, self.lookup.expected_acceptance)
-        self.tree_size = head.tree_size
+        # a head sizing its own trees (lookahead's width) has no measured size for lookup's chains to start from
+        self.tree_size = None if sizes_own_tree(head) else head.tree_size
+        self.extra_rows = extra_rows(head)
 
     def start(self, prompt: torch.Tensor, max_length: int) -> LookupFirstState:
         return LookupFirstState(self.head.start(prompt, max_length))

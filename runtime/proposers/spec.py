@@ -56,7 +56,7 @@ class ProposerSpec:
     ``eagle3``, or ``lookahead`` (lookahead decoding: the target's own Jacobi guesses, no draft model). ``head``: the
     head directory (the OUTPUT_DIR/head of a training run) for a head proposer; None: the head shipped for the
     target (heads/shipped). ``lookup_first``: a head proposer drafts by prompt lookup where lookup finds a match and
-    by the head elsewhere; for lookahead, prompt lookup's continuations join the n-gram pool's candidates.
+    by the head (or lookahead's n-gram pool and window) elsewhere.
     ``lookahead``: lookahead's sizes (``LookaheadSettings``, or (W, N, G)); None: chosen from the target's measured
     cost curve.
     """
