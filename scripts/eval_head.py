@@ -6,7 +6,7 @@ The head may be ours or one trained elsewhere, in any layout ``heads.formats.loa
 EAGLE-3 reference layout, vLLM's). The held-out conversations are the validation split that ``training/train.py
 data=selfdistill data.path=FILE`` holds out for the same data settings (pass the run's ``--max-samples``,
 ``--val-samples``, ``--max-length`` and ``--data-seed``); the numbers are what that run's evaluation reports:
-acc@1..K of a greedy drafting chain and its expected length tau (``training/evaluate.py``).
+acc@1..K of a greedy drafting chain and its expected length tau (``training.evaluate.held_out_acceptance``).
 """
 
 from __future__ import annotations
@@ -21,36 +21,26 @@ import torch
 from cli import positive_int  # scripts/cli.py
 
 
-def held_out_acceptance(head_dir: Path, data: Path, max_samples: int | None, val_samples: int, max_length: int,
-                        data_seed: int, eval_samples: int, eval_batch: int, depth: int) -> dict:
+def evaluate_head(head_dir: Path, data: Path, max_samples: int | None, val_samples: int, max_length: int,
+                  data_seed: int, eval_samples: int, eval_batch: int, depth: int) -> dict:
     from heads.formats import load_any_head
     from runtime.target import DEFAULT_TARGET, load_target
     from training.config import DataConf, Eagle3HeadConf, EvalConf
-    from training.data import build_splits, collate, pad_token_id
-    from training.evaluate import evaluate_acceptance, prepare_batch
-    from training.metrics import acceptance_rates
-    from training.objectives import HeadObjective
+    from training.evaluate import held_out_acceptance
 
+    data_conf = DataConf(source="json", path=str(data), max_samples=max_samples, val_samples=val_samples,
+                         max_length=max_length, seed=data_seed, cache=False)
     target = load_target(DEFAULT_TARGET, dtype="float32")
     head, saved = load_any_head(head_dir, target.model, identity=target.identity, tokenizer=target.tokenizer)
     if head.head_type != "eagle3":
         raise SystemExit(f"--head {head_dir} holds a {head.head_type} head; this script evaluates EAGLE-3 heads")
-    head = head.float().eval()
-    data_conf = DataConf(source="json", path=str(data), max_samples=max_samples, val_samples=val_samples,
-                         max_length=max_length, seed=data_seed, cache=False)
-    held_out = build_splits(data_conf, target.tokenizer)["validation"]
-    pad_id = pad_token_id(target.tokenizer)
-    rows = list(range(min(eval_samples, len(held_out))))
     head_conf = Eagle3HeadConf(feature_layers=list(head.feature_layers), draft_vocab_size=head.draft_vocab_size)
     eval_conf = EvalConf(depth=depth, max_samples=eval_samples, batch_size=eval_batch)
-    prepared = [prepare_batch(target, collate([held_out[i] for i in rows[s:s + eval_batch]], pad_id), head_conf,
-                              eval_conf, head.feature_layers) for s in range(0, len(rows), eval_batch)]
-    objective = HeadObjective(head, head_conf, target.lm_head.weight, target.softcap, pad_id=pad_id)
-    result = evaluate_acceptance(objective, prepared, depth, 0, 1)
-    acc, tau = acceptance_rates(result["reached"])
+    result = held_out_acceptance(target, head.float().eval(), head_conf, data_conf, eval_conf)
     return {"head": str(head_dir), "layout": saved.get("layout", saved.get("format")),
             "feature_layers": list(head.feature_layers), "draft_vocab": head.draft_vocab_size,
-            "held_out_conversations": len(rows), "positions": int(result["reached"][0]), "acc": acc, "tau": tau}
+            "held_out_conversations": result["conversations"], "positions": result["positions"],
+            "acc": result["acc"], "tau": result["tau"]}
 
 
 def main(argv=None) -> int:
@@ -69,7 +59,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    report = held_out_acceptance(args.head, args.data, args.max_samples, args.val_samples, args.max_length,
+    report = evaluate_head(args.head, args.data, args.max_samples, args.val_samples, args.max_length,
                                  args.data_seed, args.eval_samples, args.eval_batch, args.depth)
     report["seconds"] = time.perf_counter() - started
     text = json.dumps(report, indent=2)

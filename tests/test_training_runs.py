@@ -74,8 +74,24 @@ def test_short_run_lowers_loss_and_raises_acceptance(tiny, tmp_path, head):
     saved = json.loads((tmp_path / "run" / "head" / "config.json").read_text())
     assert saved["tree"]["acceptance"] == summary["final_eval"]["acc"]  # runtime tree calibration
     assert saved["training"]["config"]["trainer"]["max_steps"] == 24  # how the head was trained
+    check_held_out_acceptance(tiny, tmp_path / "run", summary["final_eval"], head)
     if head == "medusa":
         check_shipping(tmp_path / "run", tmp_path / "shipped", tiny[0])
+
+
+def check_held_out_acceptance(tiny, run_dir: Path, final_eval: dict, head_type: str) -> None:
+    """The trained head, loaded back and scored outside the trainer (as scripts/eval_head.py scores any head), gets
+    the acceptance the run's final evaluation reported."""
+    from heads.formats import load_any_head
+    from runtime.target import load_target
+    from training.evaluate import held_out_acceptance
+
+    conf = compose_config(tiny_overrides(*tiny, run_dir, head_type))
+    target = load_target(str(tiny[0]), dtype="float32")
+    head, _ = load_any_head(run_dir / "head", target.model, identity=target.identity, tokenizer=target.tokenizer)
+    result = held_out_acceptance(target, head.float().eval(), conf.head, conf.data, conf.eval)
+    assert result["acc"] == pytest.approx(final_eval["acc"], abs=1e-5)
+    assert result["tau"] == pytest.approx(final_eval["tau"], abs=1e-5) and result["conversations"] == 8
 
 
 def check_shipping(run_dir: Path, into: Path, target_dir: Path) -> None:

@@ -117,3 +117,35 @@ def evaluate_acceptance(objective, prepared_batches: list[dict], depth: int, ran
     totals = all_reduce(torch.cat((reached, loss_sum)))
     objective.train(was_training)
     return {"reached": totals[: depth + 1].cpu(), "val_loss": float(totals[-2] / totals[-1].clamp_min(1))}
+
+
+def evaluation_batches(split, eval_conf) -> list[list[dict]]:
+    """The held-out samples an evaluation scores: the first ``eval_conf.max_samples`` of ``split``, in batches of
+    ``eval_conf.batch_size``."""
+    rows = range(min(eval_conf.max_samples, len(split)))
+    return [[split[i] for i in rows[start:start + eval_conf.batch_size]]
+            for start in range(0, len(rows), eval_conf.batch_size)]
+
+
+def held_out_acceptance(target, head, head_conf, data_conf, eval_conf) -> dict:
+    """``head``'s acceptance on the conversations a training run with ``data_conf`` holds out, scored as that run's
+    evaluations score it (``eval_conf``): {"acc": acc@1..K, "tau", "val_loss", "positions", "conversations"}.
+
+    ``head``: a head of ``head_conf``'s type on ``target`` (ours or one trained elsewhere, as
+    ``heads.formats.load_any_head`` reads it), in the dtype to evaluate in; one process, no training engine."""
+    from training.data import build_splits, collate, pad_token_id
+    from training.metrics import acceptance_rates
+    from training.objectives import HeadObjective
+
+    if not data_conf.val_samples or eval_conf.max_samples < 1:
+        raise ValueError(f"no held-out conversation to evaluate: data.val_samples={data_conf.val_samples}, "
+                         f"eval.max_samples={eval_conf.max_samples}; give both at least 1")
+    pad_id = pad_token_id(target.tokenizer)
+    batches = evaluation_batches(build_splits(data_conf, target.tokenizer)["validation"], eval_conf)
+    prepared = [prepare_batch(target, collate(samples, pad_id), head_conf, eval_conf, head.feature_layers)
+                for samples in batches]
+    objective = HeadObjective(head, head_conf, target.lm_head.weight, target.softcap, pad_id=pad_id)
+    result = evaluate_acceptance(objective, prepared, eval_depth(head_conf, eval_conf), 0, 1)
+    acc, tau = acceptance_rates(result["reached"])
+    return {"acc": acc, "tau": tau, "val_loss": result["val_loss"], "positions": int(result["reached"][0]),
+            "conversations": sum(len(samples) for samples in batches)}

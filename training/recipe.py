@@ -44,7 +44,7 @@ from training import engine as ds
 from training.config import TrainConfig, validate
 from training.data import SampleOrder, collate, load_splits, pad_token_id
 from training.draft_vocab import build_draft_vocab, count_tokens
-from training.evaluate import eval_depth, evaluate_acceptance, prepare_batch
+from training.evaluate import eval_depth, evaluate_acceptance, evaluation_batches, prepare_batch
 from training.features import OfflineFeatures, prepare_offline_store, target_features
 from training.metrics import acceptance_rates
 from training.objectives import HeadObjective
@@ -114,10 +114,7 @@ class TrainRecipe:
         else:
             splits = load_splits(conf.data, self.target.tokenizer, self.dist.is_main, ds.barrier)
         self.train_split = splits["train"]
-        val_split = splits["validation"]
-        val_rows = list(range(min(conf.eval.max_samples, len(val_split))))
-        self.val_batches = [[val_split[i] for i in val_rows[start: start + conf.eval.batch_size]]
-                            for start in range(0, len(val_rows), conf.eval.batch_size)]
+        self.val_batches = evaluation_batches(splits["validation"], conf.eval)
 
         head = training_head(conf.head, self.target, self.train_split)
         if conf.init_from:
