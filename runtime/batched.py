@@ -18,10 +18,13 @@ Sliding-window layers get each key slot's position explicitly (``key_positions``
 the last keys of the pass. The cascade backend's maskless prefix is the shortest row's committed length, which every
 row sees whole.
 
-Prefill. The first prompts are prefilled together, right-padded: a causal mask without the padding (a padding query
-sees itself), each row's first token from its own last prompt position, per-row lengths committed. Continuous
-batching: a batch holds ``batch_size`` rows; when a row finishes, the next prompt takes over its row of the cache
-with a prefill of its own (a batch-1 pass over that row's slots, ``KVCache.row``), and joins the next verification
+Prefill. The first prompts are prefilled in passes of prompts of similar length (``runtime.cost_model.prefill_groups``:
+padding is computed like any token, so one pass over prompts of 50 and 300 tokens costs six passes' worth of the
+short one; the split weighs that against a pass's fixed cost, measured on this machine), each pass right-padded
+into its own rows of the cache (``KVCache.rows``): a causal mask without the padding (a padding query sees itself),
+each row's first token from its own last prompt position, per-row lengths committed. Continuous batching: a batch
+holds ``batch_size`` rows; when a row finishes, the next prompt takes over its row of the cache with a prefill of
+its own (a batch-1 pass over that row's slots), and joins the next verification
 pass, so no row waits for the longest one. Once no prompt is left to take a finished row's place, the cache drops
 that row (``KVCache.keep_rows``).
 
@@ -46,7 +49,7 @@ from typing import Any
 import torch
 
 from runtime.acceptance import greedy_accept
-from runtime.cost_model import batch_tree_size
+from runtime.cost_model import batch_tree_size, cost_curve, pass_overhead_tokens, prefill_groups
 from runtime.decoder import (GenerationResult, Stops, check_prompt_length, checked_backend, checked_draft, count_depths,
                              drawn_accept, pick_token)
 from runtime.kv_cache import KVCache
@@ -62,8 +65,9 @@ class BatchStats:
     """What one batched run did, all rows together.
 
     passes: verification passes (one target pass over every running row); prefill_passes: prefill passes (the first
-    batch's together, each joining prompt's alone); row_passes: the rows those verification passes verified, summed;
-    tokens: tokens the verification passes emitted (bonus tokens included), summed over rows."""
+    batch's in groups of similar length, each joining prompt's alone); row_passes: the rows those verification
+    passes verified, summed; tokens: tokens the verification passes emitted (bonus tokens included), summed over
+    rows."""
 
     passes: int = 0
     prefill_passes: int = 0
@@ -226,8 +230,17 @@ class BatchedDecoder:
         settings = (prompts, max_new_tokens, sampling, seeds)
         with torch.inference_mode():
             cache = self.target.new_cache(width, max_length)
-            rows: list[_Row | None] = list(self._prefill(cache, [queue.popleft() for _ in range(width)], *settings))
-        stats.prefill_passes += 1
+            rows: list[_Row | None] = []
+            first = [queue.popleft() for _ in range(width)]
+            # Prompts of very different lengths padded into one pass would mostly compute padding: passes of
+            # prompts of similar length instead, as many as the pass's fixed cost on this machine makes worth it.
+            overhead = pass_overhead_tokens(cost_curve(self.target))
+            for group in prefill_groups([prompts[i].numel() for i in first], overhead):
+                start = len(rows)
+                rows += self._prefill(cache.rows(start, start + len(group)), [first[g] for g in group], *settings)
+                for slot in range(start, len(rows)):
+                    cache.set_row_length(slot, rows[slot].length)
+                stats.prefill_passes += 1
         while True:
             for slot, row in enumerate(rows):
                 if row is None or row.pending is None:
@@ -253,7 +266,7 @@ class BatchedDecoder:
             if free and queue:
                 with torch.inference_mode():
                     for slot in free[:len(queue)]:
-                        rows[slot] = self._prefill(cache.row(slot), [queue.popleft()], *settings)[0]
+                        rows[slot] = self._prefill(cache.rows(slot, slot + 1), [queue.popleft()], *settings)[0]
                         cache.set_row_length(slot, rows[slot].length)  # the prompt; its first token is pending
                         stats.prefill_passes += 1
                 continue  # the new rows emit their first token (and may be done at once)

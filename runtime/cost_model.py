@@ -100,6 +100,38 @@ def cost_curve(target: Target, batch_size: int = 1) -> dict[int, float]:
     return curve
 
 
+def pass_overhead_tokens(curve: dict[int, float]) -> float:
+    """A pass's fixed cost in tokens' worth, from a cost curve ({tokens: cost}): the line through its two largest
+    sizes, cost = a + b T (where a pass is bound by arithmetic, as a prefill is), gives a / b; 0 where the line
+    starts at or below 0, and unbounded where extra tokens cost nothing (a GPU's curve can be flat)."""
+    small, large = sorted(curve)[-2:]
+    slope = (curve[large] - curve[small]) / (large - small)
+    fixed = curve[large] - slope * large
+    if slope <= 0:
+        return float("inf")
+    return max(fixed / slope, 0.0)
+
+
+def prefill_groups(lengths: list[int], overhead: float) -> list[list[int]]:
+    """Prompts (their token counts) split into prefill passes, each padded to its longest prompt: the indices of
+    ``lengths`` in groups, shortest prompts first, that minimise the tokens computed, padding included, plus
+    ``overhead`` tokens' worth per pass (``pass_overhead_tokens``). Consecutive runs of the prompts sorted by length
+    suffice (a group's cost depends only on its longest prompt), so a dynamic program over them finds the best."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    best = [0.0] + [float("inf")] * len(order)  # best[j]: the first j sorted prompts
+    start = [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        for i in range(j):
+            cost = best[i] + overhead + (j - i) * lengths[order[j - 1]]
+            if cost < best[j]:
+                best[j], start[j] = cost, i
+    groups, j = [], len(order)
+    while j > 0:
+        groups.append(order[start[j]:j])
+        j = start[j]
+    return groups[::-1]
+
+
 def expected_tokens(tree_size: int, acceptance: float) -> float:
     """Tokens per pass for a chain of tree_size - 1 drafts, each accepted with probability ``acceptance``
     given its parent was: 1 + a + a^2 + ... (the bonus token included)."""

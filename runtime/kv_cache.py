@@ -87,13 +87,13 @@ class KVCache:
         compact_kv(self.kv, self.lengths, keep, n_keep)
         self.commit(n_keep)
 
-    def row(self, index: int) -> KVCache:
-        """Row ``index`` as an empty batch-1 cache over the same storage: a pass on it writes into that row alone
-        (the prefill of a prompt that takes over the row of a running batch). Its own length starts at 0; once its
-        entries are committed there, ``set_row_length`` tells this cache."""
+    def rows(self, start: int, stop: int) -> KVCache:
+        """Rows ``start .. stop - 1`` as an empty cache over the same storage: a pass on it writes into those rows
+        alone (the prefill of prompts that take over rows of a running batch). Its own lengths start at 0; once
+        their entries are committed there, ``set_row_length`` tells this cache."""
         view = KVCache.__new__(KVCache)
-        view.kv = self.kv[:, :, index:index + 1]
-        view.lengths = torch.zeros(1, dtype=torch.long, device=self.lengths.device)
+        view.kv = self.kv[:, :, start:stop]
+        view.lengths = torch.zeros(stop - start, dtype=torch.long, device=self.lengths.device)
         view.max_length = self.max_length
         view.is_compileable = False
         view._max_len = 0

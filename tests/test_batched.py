@@ -14,6 +14,7 @@ from runtime.proposers.ngram import NgramProposer
 from runtime.sampling import SamplingParams
 from runtime.target import target_from_model
 from runtime.proposers.base import ProposeInput
+from runtime.cost_model import cost_curve, pass_overhead_tokens, prefill_groups
 from runtime.tree import Tree, verification_mask
 from tests import test_sampling_distribution as sampling
 from tests.conftest import tiny_model
@@ -142,7 +143,10 @@ def test_rows_that_stop_early_and_rows_that_join_late(name):
         results = check_rows(decoder, references, batch_size, f"stops/{name}", stop_token_ids=stops)
         for result, reference in zip(results, references):
             assert result.stop_reason == ("stop" if len(reference) < NEW_TOKENS else "length")
-        assert decoder.stats.prefill_passes == 1 + len(PROMPTS) - batch_size  # each late prompt prefills alone
+        # the first prompts in passes of similar length, each late prompt alone
+        first = prefill_groups([len(prompt) for prompt in PROMPTS[:batch_size]],
+                               pass_overhead_tokens(cost_curve(target)))
+        assert decoder.stats.prefill_passes == len(first) + len(PROMPTS) - batch_size
 
 
 def test_results_come_as_rows_finish_and_generate_keeps_input_order():
@@ -268,7 +272,7 @@ def test_cache_row_views_and_dropping_rows():
 
     cache = KVCache(2, 3, 1, 2, 16, torch.float32, "cpu")
     cache.commit(torch.tensor([4, 9, 6]))
-    view = cache.row(1)  # the next prompt takes over row 1: an empty batch-1 cache over its slots
+    view = cache.rows(1, 2)  # the next prompt takes over row 1: an empty batch-1 cache over its slots
     assert view.lengths.tolist() == [0] and view.max_committed == 0
     keys, _ = view.update(torch.full((1, 1, 3, 2), 7.0), torch.full((1, 1, 3, 2), -7.0), 1)
     assert keys.shape == (1, 1, 3, 2)

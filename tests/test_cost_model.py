@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.cost_model import best_tree_size, expected_tokens
+from runtime.cost_model import best_tree_size, expected_tokens, pass_overhead_tokens, prefill_groups
 from runtime.tree_sizing import DepthAcceptance, TreeSizer
 
 
@@ -136,3 +136,20 @@ def test_the_batched_tree_size_follows_the_cost_curve_at_the_batch_size(monkeypa
     assert chosen == {1: 4, 2: 2, 4: 1} and "drafting does not pay" in decoder.tree_size_reason
     decoder.generate(prompts, 4, batch_size=4, temperature=1.0, seeds=[0, 1, 2, 3])
     assert decoder.tree_size == 4
+
+
+def test_pass_overhead_from_the_curves_largest_sizes():
+    assert pass_overhead_tokens({1: 1.0, 8: 1.1, 32: 1.5, 64: 2.0}) == pytest.approx(64.0)  # 1.0 + T / 64
+    assert pass_overhead_tokens({1: 1.0, 2: 2.0, 4: 4.0}) == 0.0  # cost in proportion to the tokens
+    assert pass_overhead_tokens({1: 1.0, 2: 1.5, 4: 4.5}) == 0.0  # a line below 0 at T = 0: no fixed cost
+    assert pass_overhead_tokens({1: 1.0, 8: 1.0, 16: 1.0}) == float("inf")  # extra tokens cost nothing
+
+
+def test_prefill_groups_by_hand():
+    # one pass of all four costs 25 + 4 * 300; the three short ones together and the long one alone 25 + 3 * 60 +
+    # 25 + 300; each alone 4 * 25 + 465
+    assert prefill_groups([50, 300, 55, 60], overhead=25) == [[0, 2, 3], [1]]
+    assert prefill_groups([50, 300, 55, 60], overhead=0) == [[0], [2], [3], [1]]
+    assert prefill_groups([50, 300, 55, 60], overhead=1000) == [[0, 2, 3, 1]]
+    assert prefill_groups([50, 300, 55, 60], overhead=float("inf")) == [[0, 2, 3, 1]]
+    assert prefill_groups([7], overhead=3) == [[0]] and prefill_groups([], overhead=3) == []
