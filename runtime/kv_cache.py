@@ -47,8 +47,10 @@ class KVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_length = max_length
         self.is_compileable = False
-        # A Python int copy of max(lengths) for batch 1 fast paths, kept in step with `lengths`.
+        # A Python int copy of max(lengths) for batch 1 fast paths, and the slots a pass writes (``_write_index``),
+        # both kept in step with `lengths` (``_lengths_changed``).
         self._max_len = 0
+        self._index: tuple[int, torch.Tensor | None] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -65,22 +67,42 @@ class KVCache:
         if end > self.max_length:
             raise ValueError(f"KV cache overflow: {end} positions needed, {self.max_length} allocated")
         layer = self.kv[layer_idx]
-        if self.kv.shape[2] == 1 or bool((self.lengths == self._max_len).all()):
+        index = self._write_index(new)
+        if index is None:
             start = self._max_len
             layer[0, :, :, start:end] = key_states
             layer[1, :, :, start:end] = value_states
         else:
-            # ragged rows: an indexed copy of the (row, slot) pairs, much faster than scatter_ with an expanded index
-            slots = self.lengths[:, None] + torch.arange(new, device=self.lengths.device)[None, :]  # [B, T]
-            rows = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)
-            layer[0][rows, :, slots] = key_states.transpose(1, 2)  # [B, T, Hkv, D], as the indexing places it
-            layer[1][rows, :, slots] = value_states.transpose(1, 2)
+            dim = layer.shape[-1]
+            layer[0].view(-1, dim).index_copy_(0, index, key_states.reshape(-1, dim))
+            layer[1].view(-1, dim).index_copy_(0, index, value_states.reshape(-1, dim))
         return layer[0, :, :, :end], layer[1, :, :, :end]
+
+    def _write_index(self, new: int) -> torch.Tensor | None:
+        """Where a pass of ``new`` entries per row writes: None when every row has the same length (one slice);
+        for ragged rows [B * Hkv * new] long, each (row, head, entry) in key_states' order as an index into a
+        layer's keys viewed as [B * Hkv * max_length, D] (one index_copy_, far faster than scatter_ or an indexed
+        assignment). Every layer of a pass writes the same slots, so it is computed once until lengths change."""
+        if self._index is not None and self._index[0] == new:
+            return self._index[1]
+        index = None
+        batch, heads, length = self.kv.shape[2], self.kv.shape[3], self.kv.shape[4]
+        if batch > 1 and not bool((self.lengths == self._max_len).all()):
+            device = self.lengths.device
+            slots = self.lengths[:, None] + torch.arange(new, device=device)[None, :]  # [B, T]
+            base = torch.arange(batch * heads, device=device).view(batch, heads, 1) * length  # [B, Hkv, 1]
+            index = (base + slots[:, None, :]).reshape(-1)
+        self._index = (new, index)
+        return index
+
+    def _lengths_changed(self) -> None:
+        self._max_len = int(self.lengths.max()) if self.lengths.numel() else 0
+        self._index = None
 
     def commit(self, count: int | torch.Tensor) -> None:
         """Keep the next ``count`` written entries of every row (or per row, a LongTensor [B])."""
         self.lengths += count
-        self._max_len = int(self.lengths.max())
+        self._lengths_changed()
 
     def compact(self, keep: torch.Tensor, n_keep: torch.Tensor) -> None:
         """Keep written entries ``keep[b, :n_keep[b]]`` (indices relative to the row's length); see compact_kv."""
@@ -97,12 +119,13 @@ class KVCache:
         view.max_length = self.max_length
         view.is_compileable = False
         view._max_len = 0
+        view._index = None
         return view
 
     def set_row_length(self, index: int, length: int) -> None:
         """Row ``index`` now holds ``length`` committed entries (0: empty it)."""
         self.lengths[index] = length
-        self._max_len = int(self.lengths.max())
+        self._lengths_changed()
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only batch rows ``rows``, in that order (their entries are copied into a smaller buffer): a batch
@@ -110,12 +133,12 @@ class KVCache:
         index = torch.tensor(rows, dtype=torch.long, device=self.lengths.device)
         self.kv = self.kv.index_select(2, index)
         self.lengths = self.lengths.index_select(0, index)
-        self._max_len = int(self.lengths.max()) if rows else 0
+        self._lengths_changed()
 
     def crop(self, length: int) -> None:
         """Forget everything after ``length`` in every row."""
         self.lengths.clamp_(max=length)
-        self._max_len = int(self.lengths.max())
+        self._lengths_changed()
 
     # Methods transformers may query; we always pass position ids and 4D masks, so these are informational.
     def get_seq_length(self, layer_idx: int = 0) -> int:

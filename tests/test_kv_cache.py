@@ -48,6 +48,26 @@ def test_update_writes_at_each_rows_length_and_returns_the_visible_window():
     assert keys[1, 0, 5:8, 0].tolist() == [2, 2, 2] and values[1, 0, 5:8, 0].tolist() == [-2, -2, -2]
 
 
+def test_ragged_writes_land_at_each_rows_slots_in_every_layer_and_after_a_commit():
+    """Every (row, head, entry, feature) of a ragged write lands at that row's length + entry, in each layer (which
+    reuse the pass's write index) and again once the lengths have moved."""
+    batch, heads, dim, new = 3, 2, 4, 2
+    cache = KVCache(2, batch, heads, dim, 16, torch.float32, "cpu")
+    cache.commit(torch.tensor([3, 6, 4]))
+    for _ in range(2):
+        start = cache.lengths.clone()
+        for layer in range(2):
+            # distinct values, laid out [B, T, Hkv, D] and transposed as attention layers hand them over
+            keys = torch.arange(batch * new * heads * dim, dtype=torch.float32).view(batch, new, heads, dim)
+            keys = (keys + 1000 * layer).transpose(1, 2)
+            cache.update(keys, -keys, layer)
+            for b in range(batch):
+                slots = slice(int(start[b]), int(start[b]) + new)
+                assert torch.equal(cache.kv[layer, 0, b, :, slots], keys[b])
+                assert torch.equal(cache.kv[layer, 1, b, :, slots], -keys[b])
+        cache.commit(torch.tensor([new, 1, 0]))
+
+
 def test_overflow_is_a_clear_error():
     cache = KVCache(1, 1, 1, 2, 4, torch.float32, "cpu")
     cache.commit(3)
