@@ -60,6 +60,27 @@ from runtime.target import Target
 from runtime.tree import Draft, Tree
 
 
+def prefill_inputs(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One prefill pass over ``prompts`` (each [P_b] long, on one device), right-padded to the longest, W:
+    (tokens [B, W], position_ids [B, W], mask [B, 1, W, W] bool, or None for a lone prompt: causal, the batch-1
+    decoder's prefill). The mask is causal without the padding keys; a padding query sees the real keys before it
+    and itself, a valid row whose output nothing reads."""
+    device = prompts[0].device
+    lengths = torch.tensor([prompt.numel() for prompt in prompts], device=device)
+    batch, width = len(prompts), int(lengths.max())
+    tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
+    for b, prompt in enumerate(prompts):
+        tokens[b, :prompt.numel()] = prompt
+    positions = torch.arange(width, device=device).expand(batch, width)
+    if batch == 1:
+        return tokens, positions, None
+    slots = torch.arange(width, device=device)
+    causal = slots[None, :] <= slots[:, None]  # [query, key]
+    real = slots[None, :] < lengths[:, None]  # [B, key]
+    mask = causal[None] & (real[:, None, :] | torch.eye(width, dtype=torch.bool, device=device)[None])
+    return tokens, positions, mask[:, None]
+
+
 @dataclass
 class BatchStats:
     """What one batched run did, all rows together.
@@ -291,20 +312,8 @@ class BatchedDecoder:
         started = time.perf_counter()
         batch = len(indices)
         lengths = [prompts[i].numel() for i in indices]
-        width = max(lengths)
-        tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
-        for b, i in enumerate(indices):
-            tokens[b, :lengths[b]] = prompts[i]
-        positions = torch.arange(width, device=device).expand(batch, width)
-        if batch == 1:
-            mask = None  # causal over an empty cache: the batch-1 decoder's prefill
-        else:
-            slots = torch.arange(width, device=device)
-            causal = slots[None, :] <= slots[:, None]  # [query, key]
-            real = slots[None, :] < torch.tensor(lengths, device=device)[:, None]  # [B, key]
-            # a padding query sees the real keys before it and itself: a valid row whose output nothing reads
-            mask = (causal[None] & (real[:, None, :] | torch.eye(width, dtype=torch.bool, device=device)[None]))
-            mask = mask[:, None]
+        tokens, positions, mask = prefill_inputs([prompts[i] for i in indices])
+        width = tokens.shape[1]
         # the cascade has nothing to gain over an empty cache, and its masked path is the reference kernel: a ragged
         # prefill (a mask) goes through SDPA's masked kernels instead; a lone prompt keeps the causal fast path
         backend = "sdpa" if mask is not None and self.attention == "cascade" else self.attention

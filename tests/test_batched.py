@@ -267,6 +267,19 @@ def test_bad_arguments_are_clear_errors():
         BatchedDecoder(target, None, tree_size=0)
 
 
+def test_prefill_inputs_by_hand():
+    from runtime.batched import prefill_inputs
+
+    tokens, positions, mask = prefill_inputs([torch.tensor([5, 6, 7]), torch.tensor([8])])
+    assert tokens.tolist() == [[5, 6, 7], [8, 0, 0]] and positions.tolist() == [[0, 1, 2], [0, 1, 2]]
+    assert mask.shape == (2, 1, 3, 3)
+    assert mask[0, 0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]  # causal
+    # the short row's padding queries see its one real key and themselves; no query sees another padding key
+    assert mask[1, 0].tolist() == [[True, False, False], [True, True, False], [True, False, True]]
+    tokens, _, mask = prefill_inputs([torch.tensor([4, 2])])
+    assert tokens.tolist() == [[4, 2]] and mask is None  # a lone prompt: causal, no mask
+
+
 def test_cache_row_views_and_dropping_rows():
     from runtime.kv_cache import KVCache
 
