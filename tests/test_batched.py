@@ -267,6 +267,24 @@ def test_bad_arguments_are_clear_errors():
         BatchedDecoder(target, None, tree_size=0)
 
 
+@pytest.mark.parametrize("overhead", [0.0, 4.0, float("inf")])
+def test_the_first_prompts_prefill_in_groups_and_match_hf_greedy(monkeypatch, overhead):
+    """Whatever the split of the first prompts into prefill passes (each alone, groups, one padded pass), every row
+    writes its own rows of the cache and decodes as alone; the proposer reads each row's prompt features."""
+    import runtime.batched
+
+    monkeypatch.setattr(runtime.batched, "pass_overhead_tokens", lambda curve: overhead)
+    target = target_for("llama")
+    references = [hf_greedy("llama", prompt) for prompt in PROMPTS]
+    groups = prefill_groups([len(prompt) for prompt in PROMPTS], overhead)
+    assert len(groups) == {0.0: 8, 4.0: 5, float("inf"): 1}[overhead]
+    candidates = {**proposers(target, "llama"), **head_proposers(target)}
+    for name in ("none", "eagle3"):
+        decoder = BatchedDecoder(target, candidates[name], tree_size=6)
+        check_rows(decoder, references, len(PROMPTS), f"prefill groups {overhead}/{name}")
+        assert decoder.stats.prefill_passes == len(groups)
+
+
 def test_prefill_inputs_by_hand():
     from runtime.batched import prefill_inputs
 
