@@ -2,8 +2,7 @@
 
 Where the text repeats an earlier stretch (code, lists, quoted prompt text), a continuation found by n-gram lookup is
 right more often than a small head's guess (scripts/benchmark.py reports both methods' depth-1 acceptance) and costs
-almost nothing to find. Elsewhere lookup finds nothing and the
-head drafts.
+almost nothing to find. Elsewhere lookup finds nothing and the head drafts.
 
 The head must read every verified row before it drafts (an EAGLE head keeps its own cache over the context), but
 not at once: rows verified in lookup steps wait, and the head reads them together with the rows of the step in which
@@ -26,7 +25,7 @@ import torch
 
 from runtime.proposers.base import Proposer, ProposeInput, extra_rows, propose_rows, sizes_own_tree
 from runtime.proposers.ngram import NgramProposer
-from runtime.tree import Tree
+from runtime.tree import Draft, Tree
 
 
 @dataclass
@@ -68,11 +67,11 @@ class LookupFirstProposer:
     def start(self, prompt: torch.Tensor, max_length: int) -> LookupFirstState:
         return LookupFirstState(self.head.start(prompt, max_length))
 
-    def propose(self, state: LookupFirstState, step: ProposeInput) -> Tree:
+    def propose(self, state: LookupFirstState, step: ProposeInput) -> Tree | Draft:
         found = self._lookup(state, step)
         return found if found is not None else self.head.propose(state.head, _with_pending(state, step))
 
-    def propose_rows(self, states: list[LookupFirstState], steps: list[ProposeInput]) -> list[Tree]:
+    def propose_rows(self, states: list[LookupFirstState], steps: list[ProposeInput]) -> list[Tree | Draft]:
         """``propose`` for several generations: lookup for each, then the head for those lookup found nothing for,
         together (``runtime.proposers.base.propose_rows``)."""
         trees = [self._lookup(state, step) for state, step in zip(states, steps)]
