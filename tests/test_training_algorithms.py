@@ -236,3 +236,71 @@ def test_held_out_conversations_never_take_a_trained_one_as_the_store_grows():
     assert chosen[-1] != chosen[0]  # and it does change: newer conversations can rank lower
     assert held_out_conversations(list(range(1000)), 8, seed=1) != chosen[-1]
     assert held_out_conversations(list(reversed(range(1000))), 8, seed=0) == chosen[-1]
+
+
+def test_screened_argmax_finds_the_fp32_argmax_where_bf16_rounding_ties_or_flips():
+    """The bf16 product cannot order tokens whose logits differ below its rounding; the fp32 recomputation of its
+    top candidates can."""
+    from training.vocab_argmax import screened_argmax
+
+    torch.manual_seed(0)
+    hidden = torch.randn(64, 48) * 8
+    weight = torch.randn(3000, 48)
+    # rows 1 and 2 of the vocabulary are row 0 nudged below bf16's resolution: bf16 cannot order the three, fp32 can
+    weight[1] = weight[0]
+    weight[1, 0] += 1e-4 * torch.sign(weight[0, 0])
+    weight[2] = weight[0]
+    weight[2, 1] += 2e-4 * torch.sign(weight[0, 1])
+    hidden[:8] = weight[0] * 3  # these rows' best token is one of the three
+    hidden[:8, :2] = weight[0, :2].abs() * torch.sign(weight[0, :2]) * 5
+    exact = (hidden @ weight.T).argmax(-1)
+    approx = (hidden.bfloat16() @ weight.bfloat16().T).float().argmax(-1)
+    assert not torch.equal(approx[:8], exact[:8])  # the case is hard: bf16 alone picks wrong tokens
+    found = screened_argmax(hidden, weight, weight.bfloat16())
+    assert torch.equal(found, exact)
+    assert screened_argmax(hidden[:0], weight, weight.bfloat16()).shape == (0,)
+
+
+def test_target_distribution_with_the_vocab_screen_equals_the_full_product():
+    from training.objectives import TargetDistribution, VocabScreen
+
+    torch.manual_seed(1)
+    hidden = torch.randn(3, 40, 32) * 4
+    weight = torch.randn(2000, 32)
+    positions = torch.rand(3, 40) < 0.7
+    draft_ids = torch.randperm(2000)[:300].sort().values
+    full = TargetDistribution({"hidden": hidden}, positions, weight, 30.0, draft_ids=draft_ids)
+    screened = TargetDistribution({"hidden": hidden}, positions, weight, 30.0, draft_ids=draft_ids,
+                                  screen=VocabScreen.of(weight, draft_ids))
+    assert torch.equal(screened.greedy_table, full.greedy_table)
+    torch.testing.assert_close(screened.logprob_table, full.logprob_table)
+
+
+@pytest.mark.parametrize("hard", [False, True])
+def test_eagle3_loss_is_the_same_with_the_vocab_screen(monkeypatch, hard):
+    """Where the bf16 screen pays (CPUs with bf16 matrix instructions) an EAGLE-3 objective with a draft vocabulary
+    uses it; its loss and statistics are those of the full fp32 product, on any CPU."""
+    import training.objectives as objectives
+    from runtime.target import target_from_model
+    from training.config import Eagle3HeadConf
+    from training.recipe import training_head
+
+    target = target_from_model(tiny_llama(layers=2, seed=5))
+    torch.manual_seed(0)
+    ids = torch.randint(0, 48, (3, 12))
+    mask = torch.arange(12)[None].expand(3, -1) >= 3
+    head_conf = Eagle3HeadConf(feature_layers=[0, 1, 1], draft_vocab_size=20, ttt_steps=2,
+                               targets="hard" if hard else "soft")
+    head = training_head(head_conf, target, {"input_ids": ids, "assistant_mask": mask})
+    with torch.no_grad():
+        out = target.model(input_ids=ids, output_hidden_states=True)
+    batch = {"input_ids": ids, "assistant_mask": mask, "hidden": out.hidden_states[-1],
+             "layer_hidden": torch.cat([out.hidden_states[i] for i in (0, 1, 1)], dim=-1)}
+    results = {}
+    for screened in (False, True):
+        monkeypatch.setattr(objectives, "bf16_screening_pays", lambda device, screened=screened: screened)
+        objective = objectives.HeadObjective(head, head_conf, target.lm_head.weight, target.softcap)
+        assert (objective._vocab_screen() is not None) == screened
+        results[screened] = objective(batch)
+    torch.testing.assert_close(results[True][0], results[False][0])
+    assert results[True][1]["acc"] == results[False][1]["acc"]

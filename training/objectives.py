@@ -13,6 +13,8 @@ batch (training/evaluate.py) inside the same forward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +25,7 @@ from training.evaluate import eagle_matches, medusa_matches
 from training.losses import (decay_weights, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
                              sparse_soft_cross_entropy, uniform_noise)
 from training.masks import ChainCache, chain_attention_mask, next_token_mask, shift_left
+from training.vocab_argmax import bf16_screening_pays, screened_argmax
 
 
 class TargetDistribution:
@@ -35,7 +38,7 @@ class TargetDistribution:
     """
 
     def __init__(self, batch: dict, positions: torch.Tensor, lm_head_weight: torch.Tensor, softcap: float | None,
-                 draft_ids: torch.Tensor | None = None, hard: bool = False):
+                 draft_ids: torch.Tensor | None = None, hard: bool = False, screen: VocabScreen | None = None):
         self.batch = batch
         self.hard = hard
         self.sparse = "topk_ids" in batch
@@ -45,10 +48,17 @@ class TargetDistribution:
         self.index = torch.full(positions.shape, -1, dtype=torch.long, device=positions.device)
         self.index[rows, cols] = torch.arange(rows.numel(), device=positions.device)
         with torch.no_grad():
-            logits = softcap_logits(F.linear(batch["hidden"][rows, cols].float(), lm_head_weight.float()), softcap)
-            self.greedy_table = logits.argmax(-1)  # [N] the target's greedy token (full vocabulary)
-            if draft_ids is not None:
-                logits = logits[:, draft_ids]
+            hidden = batch["hidden"][rows, cols].float()
+            if draft_ids is not None and screen is not None:
+                # Only the draft vocabulary's logits, and the greedy token through the bf16 screen: the table
+                # below without the fp32 product over the whole vocabulary (training.vocab_argmax).
+                self.greedy_table = screened_argmax(hidden, lm_head_weight, screen.weight_bf16)
+                logits = softcap_logits(F.linear(hidden, screen.draft_weight), softcap)
+            else:
+                logits = softcap_logits(F.linear(hidden, lm_head_weight.float()), softcap)
+                self.greedy_table = logits.argmax(-1)  # [N] the target's greedy token (full vocabulary)
+                if draft_ids is not None:
+                    logits = logits[:, draft_ids]
             self.logprob_table = F.log_softmax(logits, dim=-1)  # [N, V or V']
 
     def _lookup(self, rows, cols) -> torch.Tensor:
@@ -79,6 +89,20 @@ class TargetDistribution:
         return soft_cross_entropy(draft_logits, self.logprob_table[self._lookup(rows, cols)])
 
 
+@dataclass
+class VocabScreen:
+    """What ``TargetDistribution`` needs to skip the full-vocabulary fp32 product for a draft vocabulary: the LM
+    head in bf16 (the screen) and its draft-vocabulary rows in fp32."""
+
+    weight_bf16: torch.Tensor  # [V, H]
+    draft_weight: torch.Tensor  # [V', H] fp32
+
+    @staticmethod
+    def of(lm_head_weight: torch.Tensor, draft_ids: torch.Tensor) -> VocabScreen:
+        weight = lm_head_weight.detach()
+        return VocabScreen(weight.to(torch.bfloat16), weight[draft_ids.to(weight.device)].float())
+
+
 def _mean(values: torch.Tensor) -> torch.Tensor:
     return values.sum() / max(values.shape[0], 1)
 
@@ -95,6 +119,18 @@ class HeadObjective(nn.Module):
         self.register_buffer("target_lm_head_weight", target_lm_head_weight.detach(), persistent=False)
         self.lora_target = lora_target  # Medusa-2: a peft-wrapped target whose adapters train
         self.hard = head_conf.targets == "hard"
+        self._screen: VocabScreen | None = None
+
+    def _vocab_screen(self) -> VocabScreen | None:
+        """The bf16 screen of the target's LM head where it pays on this device (``bf16_screening_pays``), made
+        once: the LM head is frozen, and so is the head's draft vocabulary."""
+        weight = self.target_lm_head_weight
+        draft_ids = self.head.draft_to_target
+        if draft_ids is None or draft_ids.numel() >= weight.shape[0] or not bf16_screening_pays(weight.device):
+            return None
+        if self._screen is None or self._screen.weight_bf16.device != weight.device:
+            self._screen = VocabScreen.of(weight, draft_ids)
+        return self._screen
 
     def forward(self, batch: dict, depth: int | None = None) -> tuple[torch.Tensor, dict | torch.Tensor]:
         """A training batch -> (loss, stats). With ``depth``, a held-out batch prepared by training/evaluate.py ->
@@ -156,7 +192,8 @@ class HeadObjective(nn.Module):
         batch_size, length = ids.shape
         predict = next_token_mask(batch["assistant_mask"])
         target = TargetDistribution(batch, predict, self.target_lm_head_weight, self.softcap,
-                                    draft_ids=self.head.draft_to_target, hard=self.hard)
+                                    draft_ids=self.head.draft_to_target, hard=self.hard,
+                                    screen=self._vocab_screen())
         to_draft = target_to_draft_ids(self.head.d2t, self.head.t2d.shape[0])
         cache = ChainCache()
         hidden = batch["layer_hidden"]
