@@ -414,6 +414,17 @@ def summarize(stats: dict[str, MethodStats], methods: dict[str, Method], decoder
     return summary
 
 
+def median_ms(fn, repeats: int) -> float:
+    """Median milliseconds of ``repeats`` calls of ``fn()`` after one warm-up call (a micro-benchmark's timing)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
+
+
 def write_atomically(path: Path, results: dict) -> None:
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps(results, indent=1))

@@ -14,27 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
 
-from runtime.benchmark import machine_description
+from runtime.benchmark import machine_description, median_ms
 from runtime.prompts import encode_prompt, read_prompts
 from runtime.target import load_target
 from training.objectives import TargetDistribution, VocabScreen
 from training.vocab_argmax import bf16_screening_pays
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
 
 
 @torch.inference_mode()

@@ -10,23 +10,12 @@ runtime.decode_layers.WEIGHT_MAJOR_MAX_ROWS on a new machine. Run it with nothin
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
+from runtime.benchmark import median_ms
 from runtime.decode_layers import decode_linear
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
 
 
 @torch.inference_mode()
