@@ -168,3 +168,27 @@ def batch_tree_size(target: Target, proposer, batch_size: int) -> tuple[int, str
     if size == 1:
         why += ": drafting does not pay at this batch size"
     return size, f"{size} ({why})"
+
+
+def break_even_acceptance(pass_seconds: dict[int, float]) -> float:
+    """The acceptance a draft node must have to pay, from one pass's seconds at some number of rows with 1 and 2
+    tokens per row ({1: s1, 2: s2}): one more node per row costs s2 - s1, and each row's token of plain decoding
+    costs s1, so a node accepted with probability p adds p tokens for (s2 - s1) / s1 of a token's time. Drafting
+    itself costs more on top. Above 1: no node pays; 0 where the second token costs nothing (timing noise)."""
+    return max((pass_seconds[2] - pass_seconds[1]) / pass_seconds[1], 0.0)
+
+
+def pooled_depth_acceptance(results) -> tuple[float, list[float]]:
+    """(fraction of passes that drafted at all, [P(accepted >= k | a node at depth k was drafted)] for k = 1..)
+    pooled over ``results`` (``runtime.decoder.GenerationResult``s: their depth_attempts / depth_accepts, and one
+    pass per target forward after the prefill)."""
+    depth = max((len(result.depth_attempts) for result in results), default=0)
+    attempts, accepts = [0] * depth, [0] * depth
+    passes = 0
+    for result in results:
+        passes += max(result.target_forwards - 1, 0)
+        for d, (tried, took) in enumerate(zip(result.depth_attempts, result.depth_accepts)):
+            attempts[d] += tried
+            accepts[d] += took
+    drafting = attempts[0] / passes if passes and depth else 0.0
+    return drafting, [took / tried if tried else 0.0 for tried, took in zip(attempts, accepts)]

@@ -159,3 +159,26 @@ def test_prefill_groups_by_hand():
     assert prefill_groups([50, 300, 55, 60], overhead=1000) == [[0, 2, 3, 1]]
     assert prefill_groups([50, 300, 55, 60], overhead=float("inf")) == [[0, 2, 3, 1]]
     assert prefill_groups([7], overhead=3) == [[0]] and prefill_groups([], overhead=3) == []
+
+
+def test_break_even_acceptance_by_hand():
+    from runtime.cost_model import break_even_acceptance
+
+    # 16 rows: 27 ms with one token per row, 45 ms with two: a node costs 18/27 of a plain token
+    assert break_even_acceptance({1: 0.027, 2: 0.045}) == pytest.approx(18 / 27)
+    assert break_even_acceptance({1: 0.015, 2: 0.016}) == pytest.approx(1 / 15)  # one row: nodes are nearly free
+    assert break_even_acceptance({1: 0.015, 2: 0.014}) == 0.0
+
+
+def test_pooled_depth_acceptance_by_hand():
+    from runtime.cost_model import pooled_depth_acceptance
+    from runtime.decoder import GenerationResult
+
+    # row a: 4 passes, 3 drafted a depth-1 node (2 accepted), 1 of them a depth-2 node (accepted)
+    a = GenerationResult([], [], 5, 0.0, "length", depth_attempts=[3, 1], depth_accepts=[2, 1])
+    # row b: 2 passes, 1 drafted (rejected)
+    b = GenerationResult([], [], 3, 0.0, "length", depth_attempts=[1], depth_accepts=[0])
+    drafting, acceptance = pooled_depth_acceptance([a, b])
+    assert drafting == pytest.approx(4 / 6)
+    assert acceptance == pytest.approx([2 / 4, 1.0])
+    assert pooled_depth_acceptance([GenerationResult([], [], 1, 0.0, "length")]) == (0.0, [])
