@@ -33,7 +33,9 @@ class TargetDistribution:
 
     Exact (dense) mode computes the target's logits once for all those positions (the loss steps and heads that
     reuse a position index into one table, instead of re-running the LM head); ``draft_ids`` [V'] restricts the
-    distribution to a draft vocabulary and renormalises it. Stored top-k mode reads ``topk_logprobs``/``topk_ids``.
+    distribution to a draft vocabulary and renormalises it; with a ``VocabScreen`` as well, only the draft rows are
+    multiplied in fp32 and the greedy token comes from the bf16 screen (``training.vocab_argmax``). Stored top-k mode
+    reads ``topk_logprobs``/``topk_ids``.
     hard: the losses train on the target's greedy token alone instead of its whole distribution.
     """
 
