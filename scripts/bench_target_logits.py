@@ -3,8 +3,9 @@ against the draft-vocabulary product plus the bf16-screened greedy token (traini
 
     python scripts/bench_target_logits.py --positions 1200 --draft-vocab 8192 2048
 
-The hidden states are the target's own (its final-norm outputs over MT-bench prompt text), so the screen keeps as
-its candidates hold the fp32 winner as often as in training. Reports the median of --repeats runs, the ratio
+The hidden states are the target's own (its final-norm outputs over MT-bench prompt text), so the screen's
+candidates hold the fp32 winner about as often as in training; the draft vocabulary is a random draw of the given
+size (which tokens it holds does not change the cost). Reports the median of --repeats runs, the ratio
 (above 1: the screen is faster) and the fraction of positions where both find the same greedy token. The training
 objective uses the screen only where ``training.vocab_argmax.bf16_screening_pays``. Run it with nothing else on
 the machine.

@@ -123,11 +123,10 @@ class HeadObjective(nn.Module):
         self.hard = head_conf.targets == "hard"
         self._screen: VocabScreen | None = None
 
-    def _vocab_screen(self) -> VocabScreen | None:
-        """The bf16 screen of the target's LM head where it pays on this device (``bf16_screening_pays``), made
-        once: the LM head is frozen, and so is the head's draft vocabulary."""
+    def _vocab_screen(self, draft_ids: torch.Tensor | None) -> VocabScreen | None:
+        """The bf16 screen of the target's LM head for the head's draft vocabulary ``draft_ids`` where it pays on
+        this device (``bf16_screening_pays``), made once: the LM head is frozen, and so is the draft vocabulary."""
         weight = self.target_lm_head_weight
-        draft_ids = self.head.draft_to_target
         if draft_ids is None or draft_ids.numel() >= weight.shape[0] or not bf16_screening_pays(weight.device):
             return None
         if self._screen is None or self._screen.weight_bf16.device != weight.device:
@@ -193,9 +192,9 @@ class HeadObjective(nn.Module):
         ids = batch["input_ids"]
         batch_size, length = ids.shape
         predict = next_token_mask(batch["assistant_mask"])
-        target = TargetDistribution(batch, predict, self.target_lm_head_weight, self.softcap,
-                                    draft_ids=self.head.draft_to_target, hard=self.hard,
-                                    screen=self._vocab_screen())
+        draft_ids = self.head.draft_to_target
+        target = TargetDistribution(batch, predict, self.target_lm_head_weight, self.softcap, draft_ids=draft_ids,
+                                    hard=self.hard, screen=self._vocab_screen(draft_ids))
         to_draft = target_to_draft_ids(self.head.d2t, self.head.t2d.shape[0])
         cache = ChainCache()
         hidden = batch["layer_hidden"]
