@@ -231,12 +231,14 @@ def keep_best_nodes(scores: torch.Tensor, parents: torch.Tensor, keep: int) -> t
     """Indices (ascending) of the ``keep`` best-scoring nodes, closed under ancestors.
 
     scores [M], parents [M] with parents < own index and -1 for children of the root. Scores are cumulative
-    log-probabilities, so a parent never scores below its child; ancestors are still added explicitly so that ties
-    can never orphan a node.
+    log-probabilities, so a parent never scores below its child, but a near-certain child scores exactly as its
+    parent (its log-probability rounds to 0): the stable sort then ranks the parent, the lower index, first, where
+    topk may pick the child and leave the parent to be added past ``keep``. Ancestors are still added explicitly so
+    that no node is ever orphaned.
     """
     if scores.numel() <= keep:
         return torch.arange(scores.numel(), device=scores.device)
-    chosen = set(scores.topk(keep).indices.tolist())
+    chosen = set(scores.sort(descending=True, stable=True).indices[:keep].tolist())
     parent_list = parents.tolist()
     for node in list(chosen):
         while parent_list[node] >= 0 and parent_list[node] not in chosen:

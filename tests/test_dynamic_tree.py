@@ -61,3 +61,20 @@ def test_dynamic_tree_keeps_the_best_nodes_and_forwards_only_nodes_whose_childre
     assert tree_paths(tree) == exhaustive_best(depth, tree_size, seed)
     # the frontier at depth d is cut to the tree_size - 1 - d best nodes: only their children can be kept
     assert forwarded == [min(top_k, tree_size - 1 - d) for d in range(1, depth) if tree_size - 1 - d > 0]
+
+
+@pytest.mark.parametrize("tree_size", [4, 6, 8, 12])
+def test_near_certain_children_do_not_push_the_tree_past_its_size(tree_size):
+    """A child whose log-probability rounds to 0 scores exactly as its parent. Choosing the child over its parent
+    on that tie would add the parent back past the limit: the tree must stay within ``tree_size`` nodes."""
+    vocab = 16
+
+    def forward_frontier(node_ids, tokens, parents, positions, mask):
+        logits = torch.zeros(len(tokens), vocab)
+        logits[torch.arange(len(tokens)), (tokens + 1) % vocab] = 30.0  # one child of probability 1 - 1e-12
+        return torch.log_softmax(logits, -1)
+
+    root = torch.log_softmax(torch.tensor([5.0, 5.0] + [0.0] * (vocab - 2)), -1)
+    tree = build_dynamic_tree(0, root, 10, forward_frontier, depth=6, top_k=4, tree_size=tree_size)
+    assert tree.size == tree_size
+    assert tree.max_depth >= 2  # the near-certain chains are among the best nodes
