@@ -71,6 +71,24 @@ def test_head_proposers_match_hf_greedy(arch):
             assert max(result.tree_sizes) > 1, f"{name} never drafted"
 
 
+def test_medusa_with_fixed_choices_keeps_their_tree_under_adaptive_sizing():
+    """Explicit choices fix the tree (a missing prefix included): the decoder verifies that tree at every step rather
+    than asking for fewer nodes than the choices make, alone and in a batch."""
+    from runtime.batched import BatchedDecoder
+
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    proposer = MedusaProposer(medusa_heads(target), choices=[(0,), (0, 0), (1,), (0, 0, 0), (2, 1)])
+    assert proposer.tree_size == 7  # (2,) joins as the prefix of (2, 1)
+    decoder = SpeculativeDecoder(target, proposer)
+    assert "own size" in decoder.tree_size_reason
+    result = decoder.generate(PROMPTS[1], 20)
+    assert result.tokens == hf_greedy("llama", PROMPTS[1], 20) and set(result.tree_sizes) == {7}
+    batched = BatchedDecoder(target, proposer).generate(PROMPTS, 20, batch_size=3)
+    assert [row.tokens for row in batched] == [hf_greedy("llama", prompt, 20) for prompt in PROMPTS]
+    with pytest.raises(ValueError, match="need a tree of at least 7 nodes"):
+        SpeculativeDecoder(target, proposer, tree_size=4).generate(PROMPTS[1], 4)
+
+
 def test_calibrated_choices_are_ancestor_closed_and_prefer_likely_paths():
     choices = calibrated_choices([0.8, 0.5, 0.3], tree_size=8, top_k=4)
     assert len(choices) == 7 and choices[0] == (0,)
@@ -128,7 +146,7 @@ def test_saved_heads_load_into_proposers_by_spec(tmp_path):
     assert combined.name == "medusa+ngram" and combined.tree_size == 3 and combined.head.head_accuracy[0] == 0.7
     assert eagle.tree_size is None and medusa.tree_size == 3  # a measured size in the config is the default
     adaptive = SpeculativeDecoder(target, medusa)  # the measured size is where adaptive sizing starts
-    assert adaptive.sizer.current == 3 and "measured size" in adaptive.tree_size_reason
+    assert adaptive.sizers["medusa"].current == 3 and "measured size" in adaptive.tree_size_reason
     bf16 = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB).to(torch.bfloat16), identity="tiny")
     assert build_proposer(ProposerSpec("medusa", head=str(medusa_dir)), bf16).tree_size is None  # float32 only
     bf16_combined = build_proposer(ProposerSpec("medusa", head=str(medusa_dir), lookup_first=True), bf16)

@@ -39,7 +39,8 @@ def calibrated_choices(head_accuracy: list[float], tree_size: int, top_k: int = 
 class MedusaProposer:
     """``heads``: MedusaHeads attached to the target's weights. ``choices`` fixes the tree; by default it is
     calibrated from ``head_accuracy`` (per-head top-1 acceptance, e.g. measured during training) and the tree_size.
-    ``tree_size``: a measured verified-tree size (None: the cost model sizes it from ``head_accuracy[0]``)."""
+    ``tree_size``: a measured verified-tree size (None: the cost model sizes it from ``head_accuracy[0]``); with
+    ``choices``, at least the tree they make, which the decoder then keeps (``own_tree_size``)."""
 
     name = "medusa"
     hidden_layers: tuple[int, ...] = ()
@@ -51,6 +52,11 @@ class MedusaProposer:
         self.tree_size = tree_size
         self.top_k = top_k
         self.choices = [tuple(c) for c in choices] if choices is not None else None
+        if self.choices is not None:
+            # the choices fix the tree (their prefixes included): adaptive sizing would ask for fewer nodes
+            nodes = 1 + len({c[:i] for c in self.choices for i in range(1, len(c) + 1)})
+            self.tree_size = max(tree_size or 0, nodes)
+            self.own_tree_size = True
         self.head_accuracy = head_accuracy or [0.6 * 0.8 ** i for i in range(heads.num_heads)]
         self.expected_acceptance = self.head_accuracy[0]
 
@@ -73,13 +79,14 @@ class MedusaProposer:
         if tree_size <= 1:  # the decoder verifies the root alone (plain decoding): nothing to draft
             return [Tree.chain(int(step.history[-1]), [], device=step.history.device) for step in steps]
         choices = self.choices or calibrated_choices(self.head_accuracy, tree_size, self.top_k)
-        if len(choices) >= tree_size:
-            raise ValueError(f"{len(choices)} Medusa choices need a tree tree_size of at least {len(choices) + 1} "
-                             f"nodes; pass tree_size={len(choices) + 1}")
+        nodes = 1 + len({c[:i] for c in choices for i in range(1, len(c) + 1)})
+        if nodes > tree_size:
+            raise ValueError(f"{len(choices)} Medusa choices need a tree of at least {nodes} nodes, got tree_size="
+                             f"{tree_size}; pass tree_size={nodes}")
         depth = max(len(c) for c in choices)
         last_hidden = torch.stack([step.new_hidden[-1] for step in steps])  # [B, H]
         logits = self.heads.first_heads_logits(last_hidden, depth)  # [D, B, V]
-        ranks = max(c[-1] for c in choices) + 1
+        ranks = max(max(c) for c in choices) + 1  # a prefix's ranks too: (2, 1) needs depth 1's rank 2
         candidates = logits.topk(ranks, dim=-1).indices  # [D, B, ranks]
         # Siblings carry distinct ranks of one head, hence distinct tokens: no duplicate branches.
         return [Tree.from_choices(int(step.history[-1]), choices, candidates[:, b])
