@@ -50,8 +50,8 @@ import torch
 
 from runtime.acceptance import greedy_accept
 from runtime.cost_model import batch_tree_size, cost_curve, pass_overhead_tokens, prefill_groups
-from runtime.decoder import (GenerationResult, Stops, check_prompt_length, checked_backend, checked_draft, count_depths,
-                             drawn_accept, pick_token)
+from runtime.decoder import (GenerationResult, Stops, checked_backend, checked_draft, count_depths, drawn_accept,
+                             pick_token, prompt_tensor)
 from runtime.kv_cache import KVCache
 from runtime.monitor import monitor_for
 from runtime.proposers.base import NoProposer, Proposer, ProposeInput, extra_rows, propose_rows, sizes_own_tree
@@ -211,10 +211,10 @@ class BatchedDecoder:
         stop token (default: the target's EOS ids), a stop string (decoded with ``tokenizer``, default the
         target's) or ``max_new_tokens``. Arguments are checked before the first row starts.
         """
-        device = self.target.device
-        ids = [torch.as_tensor(prompt, dtype=torch.long).reshape(-1).to(device) for prompt in prompts]
-        for index, prompt in enumerate(ids):
-            check_prompt_length(self.target, prompt.numel(), max_new_tokens, f"prompt {index}")
+        if isinstance(prompts, torch.Tensor) and prompts.dim() == 2:
+            prompts = list(prompts)  # a [B, P] tensor: B prompts of P tokens
+        ids = [prompt_tensor(self.target, prompt, max_new_tokens, f"prompt {index}")
+               for index, prompt in enumerate(prompts)]
         if seeds is not None and len(seeds) != len(ids):
             raise ValueError(f"seeds has {len(seeds)} entries for {len(ids)} prompts: give one seed per prompt")
         if batch_size < 1:

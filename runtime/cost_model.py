@@ -153,6 +153,19 @@ def adaptive_sizer(target: Target, proposer) -> TreeSizer | None:
                      max_depth=getattr(proposer, "depth", None) or getattr(proposer, "max_depth", None))
 
 
+def adaptive_sizers(target: Target, drafters: dict) -> dict[str, TreeSizer]:
+    """``adaptive_sizer`` for each of a proposer's drafters ({name: drafter}, ``runtime.proposers.base.drafters``)
+    that drafts and does not size its own trees: their acceptance by depth differs, so each learns its own."""
+    sizers = {}
+    for name, drafter in drafters.items():
+        if getattr(drafter, "own_tree_size", False):
+            continue
+        sizer = adaptive_sizer(target, drafter)
+        if sizer is not None:
+            sizers[name] = sizer
+    return sizers
+
+
 def batch_tree_size(target: Target, proposer, batch_size: int) -> tuple[int, str]:
     """(tree size, why) for ``batch_size`` rows verified together: the best size for the proposer's prior acceptance
     on the cost curve measured at that batch size. A pass of many rows is compute-bound sooner, so extra tree nodes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
@@ -10,9 +11,10 @@ import torch
 
 from runtime.acceptance import greedy_accept, rejection_accept, typical_accept
 from runtime.attention import BACKENDS, default_backend
-from runtime.cost_model import adaptive_sizer, synchronized_seconds
+from runtime.cost_model import adaptive_sizers, batch_tree_size, synchronized_seconds
 from runtime.monitor import monitor_for
-from runtime.proposers.base import NoProposer, Proposer, ProposeInput, extra_rows, sizes_own_tree
+from runtime.proposers.base import (NoProposer, Proposer, ProposeInput, draft_source, drafters, extra_rows,
+                                    sizes_own_tree)
 from runtime.sampling import SamplingParams, new_generator, processed_probs, sample
 from runtime.target import Target
 from runtime.tree import Draft, Tree, verification_mask
@@ -56,15 +58,21 @@ class Stops:
         if any(not isinstance(text, str) or not text for text in strings):
             raise ValueError(f"stop_strings must be non-empty strings, got {list(strings)}")
         self.token_ids, self.strings, self.tokenizer = token_ids, strings, tokenizer
-        # A stop string of n characters spans at most n tokens (every token decodes to at least one character,
-        # byte-level pieces of one character aside), so the text to search is the new tokens plus that many before.
-        self.lookback = max((len(text) for text in strings), default=0) + 4
+        # A stop string of n UTF-8 bytes spans at most n tokens: every token decodes to at least one byte, while a
+        # character outside ASCII may take several tokens (byte-level pieces), so characters would undercount. The
+        # text to search is the new tokens plus that many before (and a few more for pieces at either end).
+        self.lookback = max((len(text.encode()) for text in strings), default=0) + 4
 
     @classmethod
     def for_target(cls, target: Target, token_ids: Sequence[int] | None, strings: Sequence[str] | None,
                    tokenizer) -> Stops:
         """Stops for a generation on ``target``: ``token_ids`` (default its EOS ids), ``strings`` decoded with
         ``tokenizer`` (default its tokenizer)."""
+        # one id or one string is a single stop (a string is not a sequence of one-character stops)
+        if isinstance(token_ids, int) or (isinstance(token_ids, torch.Tensor) and token_ids.dim() == 0):
+            token_ids = [int(token_ids)]
+        if isinstance(strings, str):
+            strings = [strings]
         return cls(set(token_ids) if token_ids is not None else target.eos_token_ids, tuple(strings or ()),
                    tokenizer or target.tokenizer)
 
@@ -107,8 +115,11 @@ class SpeculativeDecoder:
     tree_size: the verified tree's size (nodes, root included) for every step; None (the default) lets a
     ``runtime.tree_sizing.TreeSizer`` choose it step by step, starting from this machine's cost curve
     (``runtime.cost_model``) and the proposer's prior acceptance (or its measured size), learning acceptance as it
-    goes, unless the proposer sizes its own trees (``runtime.proposers.base.sizes_own_tree``). ``tree_size_reason``
-    says which and why; each result's ``tree_sizes`` lists the sizes used.
+    goes, unless the proposer sizes its own trees (``runtime.proposers.base.sizes_own_tree``). A proposer drafting
+    with one of several drafters at each step (lookup first, a head otherwise) gets a sizer for each
+    (``runtime.proposers.base.drafters``). Sampling keeps the starting size instead, so that a seed repeats its
+    draws (``sampled_size``). ``tree_size_reason`` says which and why; each result's ``tree_sizes`` lists the sizes
+    used.
 
     A proposer may return a ``Draft`` with extra rows (``runtime.tree.Draft``): they go into the same pass after the
     tree's nodes, and their logits go back to the proposer in the next ``ProposeInput.extra_logits``.
@@ -132,25 +143,49 @@ class SpeculativeDecoder:
         own = tree_size is None and sizes_own_tree(self.proposer)
         if own:
             tree_size = self.proposer.tree_size
-        self.sizer = None if tree_size is not None else adaptive_sizer(target, self.proposer)
+        # one sizer per drafter (lookup first and a head otherwise are two), each learning its own acceptance
+        sized = drafters(self.proposer)
+        self.sizers = {} if tree_size is not None else adaptive_sizers(target, sized)
+        # beside sized drafters, one that sizes its own trees (lookahead behind lookup) keeps its size
+        self.own_sizes = {name: drafter.tree_size for name, drafter in sized.items()
+                          if self.sizers and sizes_own_tree(drafter)}
         if own:
             why = getattr(self.proposer, "tree_size_reason", None)
             self.tree_size_reason = (f"{tree_size}, the {self.proposer.name} proposer's own size"
                                      + (f" ({why})" if why else ""))
         elif tree_size is not None:
             self.tree_size_reason = f"fixed at {tree_size} (tree_size={tree_size})"
-        elif self.sizer is None:
+        elif not self.sizers:
             tree_size, self.tree_size_reason = 1, f"1: the {self.proposer.name} proposer drafts nothing"
         else:
-            self.tree_size_reason = (f"adaptive, starting at {self.sizer.current} ({self.sizer.start_reason}), up to "
-                                     f"{self.sizer.largest}")
+            tree_size = max([sizer.largest for sizer in self.sizers.values()] + list(self.own_sizes.values()))
+            starts = {name: f"starting at {sizer.current} ({sizer.start_reason})"
+                      for name, sizer in self.sizers.items()}
+            starts.update({name: f"its own size {size}" for name, size in self.own_sizes.items()})
+            if len(starts) == 1:
+                self.tree_size_reason = f"adaptive, {next(iter(starts.values()))}, up to {tree_size}"
+            else:
+                each = "; ".join(f"{name}: {start}" for name, start in starts.items())
+                self.tree_size_reason = f"adaptive for each drafter ({each}), up to {tree_size}"
         # the largest tree a step may ask for: what buffers are sized for
-        self.tree_size = tree_size if self.sizer is None else self.sizer.largest
+        self.tree_size = tree_size
+        # A sampled generation's draws depend on its trees. With a seed they must repeat whatever this decoder
+        # generated before, and match the prompt decoded in a batch (runtime.batched), so sampling keeps the
+        # one-row starting size there rather than what the sizers learnt.
+        self.sampled_size = min(batch_tree_size(target, self.proposer, 1)[0], tree_size) if self.sizers else None
         self.monitor = monitor_for(self.proposer)
 
     def tree_size_report(self) -> dict:
-        """How the tree size was chosen, and (adaptive) the sizes used so far and the acceptance learnt."""
-        return {"reason": self.tree_size_reason, **(self.sizer.report() if self.sizer is not None else {})}
+        """How the tree size was chosen and, when adaptive, the sizes used so far (size: passes) and for each drafter
+        sized apart its own sizes and learnt acceptance by depth (``drafters``)."""
+        report = {"reason": self.tree_size_reason}
+        if self.sizers:
+            each = {name: sizer.report() for name, sizer in self.sizers.items()}
+            sizes = Counter()
+            for drafter in each.values():
+                sizes.update(drafter["sizes"])
+            report.update(sizes=dict(sorted(sizes.items())), drafters=each)
+        return report
 
     def generate(self, input_ids: torch.Tensor | Sequence[int], max_new_tokens: int, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -182,9 +217,8 @@ class SpeculativeDecoder:
         GenerationResult is the iterator's return value (``StopIteration.value``). The proposer's rolling acceptance
         is ``self.monitor.rate`` as each chunk is yielded (the chunk's own verification included)."""
         target, device = self.target, self.target.device
-        prompt = torch.as_tensor(input_ids, dtype=torch.long, device=device).reshape(-1)
+        prompt = prompt_tensor(target, input_ids, max_new_tokens)
         prompt_len = prompt.numel()
-        check_prompt_length(target, prompt_len, max_new_tokens)
         sampling = SamplingParams(temperature, top_k, top_p)
         generator = None if sampling.greedy else new_generator(seed)
         stops = Stops.for_target(target, stop_token_ids, stop_strings, tokenizer)
@@ -220,7 +254,12 @@ class SpeculativeDecoder:
             with torch.inference_mode():
                 history[length:length + len(emitted)] = torch.tensor(emitted, device=device)
                 length += len(emitted)
-                size = self.tree_size if self.sizer is None else self.sizer.choose()
+                if self.sizers and not sampling.greedy:
+                    sizer, size = None, self.sampled_size
+                else:
+                    source = draft_source(proposer, state, history[:length]) if self.sizers else None
+                    sizer = self.sizers.get(source)
+                    size = sizer.choose() if sizer is not None else self.own_sizes.get(source, self.tree_size)
                 step = ProposeInput(history[:length], new_hidden, new_layer_hidden, size, sampling, generator,
                                     extra_logits)
                 drafting = time.perf_counter()
@@ -229,14 +268,14 @@ class SpeculativeDecoder:
                 result.draft_seconds += time.perf_counter() - drafting
                 path, bonus, out = self._verify(draft, cache, sampling, generator, hidden_layers)
                 extra_logits = out.logits[0, tree.size:] if draft.extra_count else None
-                if self.sizer is not None and not draft.extra_count:
+                if sizer is not None and not draft.extra_count:
                     # A pass with extra rows (lookahead's window behind lookup) is sized by its proposer: its
                     # acceptance and time would teach the sizer about another drafter than the one it sizes.
                     # A step's time counts when the tree had the size asked for (lookup that finds nothing
-                    # drafts less); learning costs from timings is off when a seeded sampling run must repeat.
-                    timed = tree.size == size and sampling.greedy
+                    # drafts less). Sampled steps never get here: their size is fixed (``sampled_size``).
+                    timed = tree.size == size
                     seconds = synchronized_seconds(device, drafting) if timed else None
-                    self.sizer.observe(size, tree.max_depth, len(path) - 1, seconds)
+                    sizer.observe(size, tree.max_depth, len(path) - 1, seconds)
                 self.monitor.observe(tree.max_depth, len(path) - 1)
                 result.target_forwards += 1
                 result.tree_sizes.append(tree.size)
@@ -293,7 +332,28 @@ def checked_backend(target: Target, attention: str, acceptance: str, tree_size: 
     return default_backend(target.device, target.dtype) if attention == "auto" else attention
 
 
+def prompt_tensor(target: Target, input_ids, max_new_tokens: int, which: str = "the prompt") -> torch.Tensor:
+    """One prompt's ids [P] on the target's device, checked before any work: token ids [P] or [1, P] (a [B, P] batch
+    is several prompts, which ``runtime.batched.BatchedDecoder`` decodes; flattening it would decode one prompt
+    made of all of them), integers inside the vocabulary, and room in the context for ``max_new_tokens``."""
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
+        raise ValueError(f"{which} has shape {list(ids.shape)}: give one prompt's token ids, [P] or [1, P]; for "
+                         f"several prompts pass a list of them to runtime.batched.BatchedDecoder.generate")
+    if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+        raise ValueError(f"{which} holds {ids.dtype} values: give integer token ids")
+    ids = ids.reshape(-1).to(device=target.device, dtype=torch.long)
+    check_prompt_length(target, ids.numel(), max_new_tokens, which)
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= target.vocab_size:
+        raise ValueError(f"{which} holds token id {low if low < 0 else high}, outside the target's vocabulary of "
+                         f"{target.vocab_size}: encode it with the target's tokenizer")
+    return ids
+
+
 def check_prompt_length(target: Target, prompt_len: int, max_new_tokens: int, which: str = "the prompt") -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
     if prompt_len == 0:
         raise ValueError(f"{which} is empty: give at least one token")
     limit = target.max_positions

@@ -51,7 +51,10 @@ def new_generator(seed: int | None) -> torch.Generator:
     """The random stream of one generation: a CPU generator whatever the model's device, so a seed gives the same
     draws on CPU and GPU and every draw goes through the same code (``sample`` and the acceptance tests)."""
     generator = torch.Generator(device="cpu")
-    generator.manual_seed(seed if seed is not None else torch.seed())
+    if seed is None:  # a non-deterministic seed for this generator alone (torch.seed() reseeds the caller's too)
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
     return generator
 
 

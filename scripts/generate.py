@@ -177,9 +177,9 @@ def main(argv=None) -> int:
     if batched:
         print(f"[headstart] batches of {args.batch_size}: {decoder.stats.as_dict()}", file=sys.stderr)
     report = decoder.tree_size_report()
-    if "sizes" in report:
-        print(f"[headstart] tree sizes used (size: passes) {report['sizes']}, acceptance by depth "
-              f"{report['acceptance_by_depth']}", file=sys.stderr)
+    for name, drafter in report.get("drafters", {}).items():
+        print(f"[headstart] {name}: tree sizes used (size: passes) {drafter['sizes']}, acceptance by depth "
+              f"{drafter['acceptance_by_depth']}", file=sys.stderr)
     if args.output:
         print(f"wrote {Path(args.output).resolve()}", file=sys.stderr)
     return 0

@@ -265,6 +265,12 @@ def test_bad_arguments_are_clear_errors():
         decoder.generate([list(range(500))], 20)
     with pytest.raises(ValueError, match="tree_size"):
         BatchedDecoder(target, None, tree_size=0)
+    with pytest.raises(ValueError, match="prompt 1 holds token id 64, outside the target's vocabulary"):
+        decoder.generate([[1], [2, 64]], 4)
+    with pytest.raises(ValueError, match="max_new_tokens must be a whole number >= 1, got -3"):
+        decoder.generate([[1]], -3)
+    rows = decoder.generate(torch.tensor([PROMPTS[1][:3], PROMPTS[2][:3]]), 4)  # a [B, P] tensor is B prompts
+    assert [row.tokens for row in rows] == [hf_greedy("llama", prompt[:3], 4) for prompt in PROMPTS[1:3]]
 
 
 @pytest.mark.parametrize("overhead", [0.0, 4.0, float("inf")])
@@ -374,6 +380,29 @@ def test_a_rows_sample_does_not_depend_on_its_neighbours():
     # and the neighbours do differ from it, so the check means something
     others = decoder.generate([prompt] * 3, NEW_TOKENS, temperature=1.0, seeds=[1, 2, 3])
     assert any(result.tokens != alone for result in others)
+
+
+def test_a_seed_repeats_its_draws_with_adaptive_tree_sizes(monkeypatch):
+    """With the tree size left to the decoder, greedy runs teach its sizers; a sampled generation keeps the one-row
+    starting size, so a seed gives the same tokens on a fresh decoder, on one that has decoded before, and in a
+    batch."""
+    import runtime.cost_model
+
+    monkeypatch.setattr(runtime.cost_model, "cost_curve", lambda target, batch_size=1: {1: 1.0, 2: 1.05, 4: 1.1,
+                                                                                         8: 1.3})
+    target = target_for("llama")
+    draft = target_from_model(tiny_model("llama", seed=1, vocab_size=VOCAB), identity="draft")
+    proposer = DraftModelProposer(draft, target, "chain", depth=6)
+    prompt, seed = PROMPTS[2], 11
+    fresh = SpeculativeDecoder(target, proposer).generate(prompt, NEW_TOKENS, temperature=1.0, seed=seed).tokens
+    used = SpeculativeDecoder(target, proposer)
+    for other in PROMPTS:  # greedy decoding moves the sizer's sizes and probes
+        used.generate(other, NEW_TOKENS)
+    assert used.generate(prompt, NEW_TOKENS, temperature=1.0, seed=seed).tokens == fresh
+    assert used.generate(prompt, NEW_TOKENS, temperature=1.0, seed=seed).tokens == fresh
+    batched = BatchedDecoder(target, proposer).generate([PROMPTS[0], prompt], NEW_TOKENS, temperature=1.0,
+                                                        seeds=[3, seed], batch_size=2)
+    assert batched[1].tokens == fresh
 
 
 class FixedTrees:

@@ -182,3 +182,46 @@ def test_pooled_depth_acceptance_by_hand():
     assert drafting == pytest.approx(4 / 6)
     assert acceptance == pytest.approx([2 / 4, 1.0])
     assert pooled_depth_acceptance([GenerationResult([], [], 1, 0.0, "length")]) == (0.0, [])
+
+
+def test_lookup_first_sizes_each_drafters_trees_apart(monkeypatch):
+    """Lookup first, a head otherwise: each drafter gets its own sizer, which learns only from the steps that drafter
+    drafted. Here lookup's continuations are right (the text loops) and the head's guesses never are, so lookup's
+    trees stay large while the head's shrink to plain decoding; the output stays the target's greedy output."""
+    import runtime.cost_model
+    from runtime.decoder import SpeculativeDecoder
+    from runtime.proposers import NgramProposer
+    from runtime.proposers.lookup_first import LookupFirstProposer
+    from runtime.target import target_from_model
+    from tests.conftest import tiny_model
+    from tests.proposers_for_tests import BadProposer
+    from tests.test_greedy_equality import hf_greedy
+
+    monkeypatch.setattr(runtime.cost_model, "cost_curve", lambda target: {1: 1.0, 2: 1.3, 4: 1.6, 8: 2.0})
+    steps = []
+
+    class Recording(LookupFirstProposer):
+        def propose(self, state, step):
+            tree = super().propose(state, step)
+            steps.append((self.draft_source(state, step.history), step.tree_size, tree.size))
+            return tree
+
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=64), identity="tiny")
+    proposer = Recording(BadProposer(), NgramProposer())
+    decoder = SpeculativeDecoder(target, proposer)
+    assert set(decoder.sizers) == {"ngram", "bad"} and "adaptive for each drafter" in decoder.tree_size_reason
+    for sizer in decoder.sizers.values():
+        sizer.learn_costs = False  # the hand-built curve's costs, not this machine's timings of a tiny model
+    prompt = [1, 2, 3, 1, 2, 3, 1]
+    assert decoder.generate(prompt, 200).tokens == hf_greedy("llama", prompt, 200)
+    lookup = [(asked, size) for source, asked, size in steps if source == "ngram"]
+    head = [(asked, size) for source, asked, size in steps if source == "bad"]
+    assert lookup and head  # both drafters drafted
+    sizers = decoder.sizers
+    assert sizers["ngram"].acceptance.attempts[0] == sum(size > 1 for _, size in lookup)
+    assert sizers["bad"].acceptance.attempts[0] == sum(size > 1 for _, size in head)
+    assert sizers["ngram"].acceptance.rate(1) > 0.8 and sizers["bad"].acceptance.accepts[0] == 0
+    assert sizers["ngram"].best() >= 4 and sizers["bad"].best() == 1  # each drafter at its own best size
+    assert sum(asked >= 4 for asked, _ in lookup[-10:]) >= 8 and sum(asked == 1 for asked, _ in head) >= 4
+    report = decoder.tree_size_report()
+    assert set(report["drafters"]) == {"ngram", "bad"} and sum(report["sizes"].values()) == len(steps)

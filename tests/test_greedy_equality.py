@@ -123,6 +123,36 @@ def test_prompt_beyond_the_context_is_a_clear_error():
         decoder.generate([], 5)
 
 
+@pytest.mark.parametrize("prompt, new_tokens, message", [
+    (torch.tensor([[1, 2, 3], [4, 5, 6]]), 5, r"shape \[2, 3\]: give one prompt's token ids"),
+    ([1, 2, VOCAB], 5, f"token id {VOCAB}, outside the target's vocabulary of {VOCAB}"),
+    ([1, -2, 3], 5, "token id -2"),
+    (torch.tensor([1.0, 2.0]), 5, "float32 values: give integer token ids"),
+    ([1, 2, 3], 0, "max_new_tokens must be a whole number >= 1, got 0"),
+    ([1, 2, 3], 2.5, "max_new_tokens must be a whole number >= 1, got 2.5"),
+])
+def test_bad_prompts_and_lengths_are_clear_errors_before_any_pass(prompt, new_tokens, message):
+    """A [B, P] batch is not flattened into one prompt, ids outside the vocabulary and a length that is not a whole
+    number >= 1 are named, before the target runs."""
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    with pytest.raises(ValueError, match=message):
+        SpeculativeDecoder(target, NgramProposer()).generate(prompt, new_tokens)
+
+
+def test_one_stop_token_id_and_an_unseeded_draw_leave_the_callers_random_state_alone():
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    free = SpeculativeDecoder(target, None, tree_size=1).generate(PROMPTS[1], 12)
+    stop = free.tokens[5]
+    first = free.tokens.index(stop)
+    assert SpeculativeDecoder(target, None, tree_size=1).generate(
+        PROMPTS[1], 12, stop_token_ids=stop).tokens == free.tokens[: first + 1]
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    SpeculativeDecoder(target, NgramProposer(), tree_size=4).generate(PROMPTS[1], 8, temperature=1.0)
+    assert torch.equal(torch.rand(3), expected)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -165,6 +195,9 @@ def test_stop_strings_end_generation_at_the_token_that_completes_them():
         result = SpeculativeDecoder(target, NgramProposer(), tree_size=tree_size).generate(
             prompt, NEW_TOKENS, stop_token_ids=[], stop_strings=["never there", stop])
         assert result.tokens == free.tokens[:end] and result.stop_reason == "stop"
+    alone = SpeculativeDecoder(target, NgramProposer(), tree_size=6).generate(  # one string is one stop string
+        prompt, NEW_TOKENS, stop_token_ids=[], stop_strings=stop)
+    assert alone.tokens == free.tokens[:end]
     with pytest.raises(ValueError, match="stop_strings need a tokenizer"):
         SpeculativeDecoder(target_from_model(model, None), None, tree_size=1).generate(prompt, 4, stop_strings=["a"])
 

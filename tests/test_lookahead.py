@@ -207,7 +207,7 @@ def test_the_pool_fills_and_gets_drafts_accepted():
 def test_behind_lookup_the_window_rides_only_where_lookup_finds_nothing():
     """lookahead+ngram: a step where prompt lookup finds a continuation verifies lookup's own tree (here deeper than
     lookahead's 3-node trie) and no window rows; the other steps carry the window. Adaptive sizing learns only from
-    the lookup steps, and the output stays the target's."""
+    the lookup steps (the window's steps keep lookahead's own size), and the output stays the target's."""
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
     prompt = [9, 4, 9, 4, 9, 4, 9, 4, 9, 4, 9, 4]
     drafts = []
@@ -229,7 +229,8 @@ def test_behind_lookup_the_window_rides_only_where_lookup_finds_nothing():
             assert max(d.tree.size for d in lookup) > 3
         else:
             observed = sum(d.tree.max_depth >= 1 for d in lookup)
-            assert decoder.sizer.acceptance.attempts[0] == observed
+            assert list(decoder.sizers) == ["ngram"] and decoder.own_sizes == {"lookahead": 3}
+            assert decoder.sizers["ngram"].acceptance.attempts[0] == observed
 
 
 def test_a_proposer_asking_for_more_extra_rows_than_it_declares_is_refused():

@@ -71,6 +71,20 @@ def extra_rows(proposer) -> int:
     return int(getattr(proposer, "extra_rows", 0))
 
 
+def drafters(proposer) -> dict[str, Any]:
+    """The drafters whose trees are sized apart, by name. A proposer that drafts each step with one of several
+    (prompt lookup where it finds a match, a head elsewhere) lists them in ``drafters`` and names the next step's
+    in ``draft_source(state, history)``; any other proposer is its own one drafter."""
+    return dict(getattr(proposer, "drafters", None) or {proposer.name: proposer})
+
+
+def draft_source(proposer, state: Any, history: torch.Tensor) -> str:
+    """The name of the drafter (a key of ``drafters(proposer)``) that will draft the next step, history [L] being
+    the prompt and emitted tokens."""
+    choose = getattr(proposer, "draft_source", None)
+    return proposer.name if choose is None else choose(state, history)
+
+
 def sizes_own_tree(proposer) -> bool:
     """Whether ``proposer`` verifies trees of its own ``tree_size`` at every step (``own_tree_size``). Adaptive
     sizing models a tree of n nodes as a chain n - 1 deep; a proposer whose gain comes from width (lookahead's

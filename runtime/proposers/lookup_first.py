@@ -13,6 +13,10 @@ nothing.
 A head that asks for extra rows (lookahead's Jacobi window) gets them only in the steps it drafts: a lookup step's
 pass carries none, so the next draft's ``extra_logits`` are None and the head skips that update.
 
+The two drafters' trees are sized apart (``drafters``, ``draft_source``), each by what its own steps get accepted:
+lookup's chains tend to be right deep or not at all, a head's guesses fade with depth, and one acceptance learnt
+from both describes neither.
+
 Either tree is verified by the same exact acceptance, so the output stays the target's.
 """
 
@@ -63,6 +67,12 @@ class LookupFirstProposer:
         # a head sizing its own trees (lookahead's width) has no measured size for lookup's chains to start from
         self.tree_size = None if sizes_own_tree(head) else head.tree_size
         self.extra_rows = extra_rows(head)
+        self.drafters = {self.lookup.name: self.lookup, head.name: head}
+
+    def draft_source(self, state: LookupFirstState, history: torch.Tensor) -> str:
+        """Which drafter drafts the next step: lookup where the suffix of history [L] occurred before, else the
+        head."""
+        return self.lookup.name if self.lookup.finds(history) else self.head.name
 
     def start(self, prompt: torch.Tensor, max_length: int) -> LookupFirstState:
         return LookupFirstState(self.head.start(prompt, max_length))

@@ -53,6 +53,10 @@ class NgramProposer:
     def start(self, prompt: torch.Tensor, max_length: int) -> None:
         return None
 
+    def finds(self, history: torch.Tensor) -> bool:
+        """Whether the history's suffix [L] occurred earlier, so that ``propose`` drafts a continuation."""
+        return bool(find_continuations(history.cpu().numpy(), self.max_ngram, self.min_ngram, 1, 1))
+
     def propose(self, state: None, step: ProposeInput) -> Tree:
         history = step.history.cpu().numpy()
         depth = min(self.max_depth, step.tree_size - 1)
