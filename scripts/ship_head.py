@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 from safetensors.torch import load_file, save_file
 
-from heads.io import CONFIG_NAME, WEIGHTS_NAME, atomic_directory, read_head_config
+from heads.io import CONFIG_NAME, FORMAT as HEAD_FORMAT, WEIGHTS_NAME, atomic_directory, read_head_config
 from heads.shipped import SHIPPED_DIR
 from runtime.benchmark import dtype_name
 from runtime.target import parse_dtype
@@ -37,6 +37,33 @@ def tree_sizes(parser, values: list[str], default_dtype: str) -> dict[str, int]:
         if sizes[dtype] < 1:
             parser.error(f"argument --tree-size: {value!r}: a tree has at least 1 node")
     return sizes
+
+
+SHIPPED_FILES = {CONFIG_NAME, WEIGHTS_NAME, "curves.png"}
+
+
+def destination_problem(destination: Path, run_dir: Path) -> str | None:
+    """Why shipping to ``destination`` would destroy something (it is replaced whole), or None: it is missing, empty,
+    or a head shipped before (only the files this script writes, config.json a head's)."""
+    if not destination.exists() and not destination.is_symlink():
+        return None
+    if not destination.is_dir():
+        return f"{destination} exists and is not a directory"
+    resolved, run = destination.resolve(), run_dir.resolve()
+    if resolved == run or resolved in run.parents:
+        return f"{destination} holds the training run {run_dir} itself"
+    names = {path.name for path in destination.iterdir()}
+    if not names:
+        return None
+    try:
+        shipped = (names <= SHIPPED_FILES and CONFIG_NAME in names
+                   and json.loads((destination / CONFIG_NAME).read_text()).get("format") == HEAD_FORMAT)
+    except (OSError, ValueError):
+        shipped = False
+    if not shipped:
+        return f"{destination} exists and is not a shipped head (it holds {', '.join(sorted(names)[:5])}); shipping " \
+               f"there would delete it"
+    return None
 
 
 def main(argv=None) -> int:
@@ -60,6 +87,12 @@ def main(argv=None) -> int:
     sizes = tree_sizes(parser, args.tree_size, args.tree_dtype)
 
     head_dir = args.run_dir / "head"
+    if not (head_dir / CONFIG_NAME).is_file():
+        raise SystemExit(f"{head_dir / CONFIG_NAME} is missing: RUN_DIR is a training run's output_dir, which holds "
+                         f"head/ once the run has saved a head")
+    problem = destination_problem(args.into / args.name, args.run_dir)
+    if problem:
+        raise SystemExit(f"{problem}; ship to a new NAME or another --into")
     config = read_head_config(head_dir)
     summary_path = args.run_dir / "summary.json"
     if not summary_path.is_file():

@@ -28,9 +28,14 @@ timed() {  # timed SECONDS_FILE command...: runs the command, writes its wall ti
 mkdir -p "$RUNS"
 timed "$RUNS/eagle3.seconds" python training/train.py head=eagle3 head.ttt_steps=4 head.lr=3e-4 trainer.lr=3e-4 \
   trainer.max_steps=220 eval.at_start=false eval.every=55 $COMMON output_dir="$RUNS/smollm2-eagle3" &
+EAGLE3_STAGE1=$!
 timed "$RUNS/medusa.seconds" python training/train.py head=medusa \
   trainer.max_steps=100 eval.at_start=false eval.every=50 $COMMON output_dir="$RUNS/smollm2-medusa" &
-wait
+MEDUSA_STAGE1=$!
+# `wait` alone returns 0 whatever the jobs returned: wait for each, so that a failed stage stops the script here
+# instead of later stages building on a half-trained head
+wait "$EAGLE3_STAGE1"
+wait "$MEDUSA_STAGE1"
 
 timed "$RUNS/eagle3-long.seconds" python training/train.py head=eagle3 head.ttt_steps=4 head.lr=3e-4 trainer.lr=3e-4 \
   trainer.threads=2 trainer.max_steps=3000 trainer.stop_after=900 trainer.warmup_steps=10 trainer.seed=1 \

@@ -19,22 +19,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 HEADS = {"eagle": EagleHeadConf, "eagle3": Eagle3HeadConf, "medusa": MedusaHeadConf}
 TARGETS = {"smollm2": [], "hf": ["target.name=some/model"]}
-DATA = {"sharegpt": [], "json": ["data.path=conversations.jsonl"], "hf": ["data.path=org/dataset"],
-        "selfdistill": ["data.path=selfdistill.jsonl"]}
+DATA = {"sharegpt": [], "json": ["data.path={dir}/conversations.jsonl"], "hf": ["data.path=org/dataset"],
+        "selfdistill": ["data.path={dir}/selfdistill.jsonl"]}
 ZERO = ["zero1", "zero2", "zero3"]
 TRACKERS = ["wandb", "disabled"]
 
 
-def test_every_group_option_composes_with_every_head():
+def test_every_group_option_composes_with_every_head(tmp_path):
     """Groups are independent of each other except through the head: compose every head with every option of
     every other group (and the engine x tracker product), then type-check and validate each result."""
+    for name in ("conversations.jsonl", "selfdistill.jsonl"):  # local data files must exist to validate
+        (tmp_path / name).write_text("")
     combinations = []
     for head in HEADS:
         combinations += [(head, "smollm2", "sharegpt", zero, tracker) for zero in ZERO for tracker in TRACKERS]
         combinations += [(head, target, "sharegpt", "zero2", "wandb") for target in TARGETS]
         combinations += [(head, "smollm2", data, "zero2", "wandb") for data in DATA]
     configs = compose_many([[f"head={head}", f"target={target}", f"data={data}", f"deepspeed={zero}",
-                             f"tracker={tracker}", *TARGETS[target], *DATA[data]]
+                             f"tracker={tracker}", *TARGETS[target],
+                             *(item.format(dir=tmp_path) for item in DATA[data])]
                             for head, target, data, zero, tracker in combinations])
     for (head, _target, data, zero, tracker), config in zip(combinations, configs):
         assert isinstance(config, TrainConfig) and isinstance(config.head, HEADS[head])
@@ -85,6 +88,10 @@ def test_required_values_and_bad_values_are_named():
     with pytest.raises(ValueError, match="needs features.mode=online"):
         validate(compose_config(["head=medusa", "head.lora.enabled=true", "features.mode=offline"]))
     validate(compose_config(["deepspeed=zero3", "deepspeed.param_persistence_threshold=0"]))
+    with pytest.raises(ValueError, match="data.path=missing.jsonl: no such file"):
+        validate(compose_config(["data=json", "data.path=missing.jsonl"]))
+    with pytest.raises(ValueError, match="init_from=no/such/head: no such directory"):
+        validate(compose_config(["init_from=no/such/head"]))
 
 
 @pytest.mark.parametrize("override, named", [
@@ -185,3 +192,31 @@ def test_checkpoint_and_feature_store_settings_are_compared_by_name():
                                                       "feature_layers: [] in the store, [0, 1, 1] in this run"]
     assert description_differences(dict(wanted, data="d0"), wanted)[0].startswith("the conversations")
     assert description_differences(dict(wanted, head_type="medusa"), wanted) == []  # same features: shared
+
+
+def test_pruning_keeps_complete_checkpoints_only(tmp_path):
+    """A tag a dying save left without its run record is no fallback: pruning keeps the newest complete ones and
+    removes the rest up to the current step; newer tags (a resumed run's future) stay."""
+    from training.checkpoints import RUN_RECORD, prune, saved_tags, tag_name
+
+    for step, complete in ((40, True), (50, True), (60, False), (75, True), (90, True)):
+        (tmp_path / tag_name(step)).mkdir()
+        if complete:
+            (tmp_path / tag_name(step) / RUN_RECORD).write_text("{}")
+    prune(tmp_path, 75, keep=2)
+    assert saved_tags(tmp_path) == [tag_name(90), tag_name(75), tag_name(50)]
+
+
+def test_a_recorded_store_refuses_conversations_from_another_source(tmp_path):
+    """Conversation ids are positions in their source: recording another source's conversations into a store would
+    overwrite its shards. Recording more of the same source (a larger data.max_samples) continues it."""
+    from training.recorded import RecordingWriter
+
+    description = {"target": "t", "tokenizer": "k", "feature_layers": [1], "dtype": "bfloat16",
+                   "chat_template": None, "max_length": 512, "generation": {"temperature": 0.0},
+                   "data": {"source": "sharegpt", "path": None, "max_samples": 100}}
+    RecordingWriter(tmp_path, description)
+    RecordingWriter(tmp_path, dict(description, data={"source": "sharegpt", "path": None, "max_samples": 900}))
+    with pytest.raises(ValueError, match="data.source: 'sharegpt' in the store, 'json' here"):
+        RecordingWriter(tmp_path, dict(description, data={"source": "json", "path": "other.jsonl",
+                                                          "max_samples": 100}))

@@ -112,6 +112,14 @@ def check_shipping(run_dir: Path, into: Path, target_dir: Path) -> None:
     proposer = build_proposer(ProposerSpec("medusa", head=str(shipped)), load_target(str(target_dir)))
     assert proposer.head_accuracy == config["tree"]["acceptance"]
     assert config["tree"]["sizes"] == {"float32": 3, "bfloat16": 5} and proposer.tree_size == 3
+    # the destination is replaced whole: a directory that is not a shipped head, the run's own included, is refused
+    (into / "notes").mkdir()
+    (into / "notes" / "mine.txt").write_text("keep")
+    for parent, name in ((into, "notes"), (run_dir.parent, run_dir.name)):
+        refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "ship_head.py"), str(run_dir), name,
+                                  "--into", str(parent)], env=_env(), cwd=ROOT, capture_output=True, text=True)
+        assert refused.returncode != 0 and "ship to a new NAME" in refused.stderr, refused.stderr
+    assert (into / "notes" / "mine.txt").read_text() == "keep" and (run_dir / "head" / "config.json").is_file()
 
 
 def test_offline_features_match_online(tiny, tmp_path):
@@ -345,6 +353,9 @@ def test_a_plain_install_trains_from_any_directory(tiny, tmp_path):
 def test_existing_run_needs_resume(tiny, tmp_path):
     run_config(tiny, tmp_path / "run", "eagle", 1, ["eval.at_start=false"])
     with pytest.raises(ValueError, match="resume=true"):
+        run_config(tiny, tmp_path / "run", "eagle", 2, ["eval.at_start=false"])
+    shutil.rmtree(tmp_path / "run" / "checkpoints")  # freeing space: the trained head stays, and a new run keeps off it
+    with pytest.raises(ValueError, match="already holds a trained run"):
         run_config(tiny, tmp_path / "run", "eagle", 2, ["eval.at_start=false"])
 
 

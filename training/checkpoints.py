@@ -102,6 +102,9 @@ def save_checkpoint(engine, root: Path, step: int, client_state: dict, config: d
                     is_main: bool) -> None:
     """Every rank's DeepSpeed shard of step ``step``; then (main) the tag's run record, the pointer, and pruning."""
     tag = tag_name(step)
+    if is_main:  # a tag written again (a resumed run reaching it) is incomplete until its new record is written
+        (root / tag / RUN_RECORD).unlink(missing_ok=True)
+    ds.barrier()
     engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False,
                            exclude_frozen_parameters=True)
     ds.barrier()  # every rank's shard is on disk before the tag counts as complete
@@ -113,11 +116,14 @@ def save_checkpoint(engine, root: Path, step: int, client_state: dict, config: d
 
 
 def prune(root: Path, step: int, keep: int) -> None:
-    """Keep the newest ``keep`` checkpoints up to ``step``. Newer ones (left by a run that resumed from an older
-    checkpoint after a damaged one) are not this run's to delete: it overwrites them when it gets there."""
+    """Keep the newest ``keep`` complete checkpoints up to ``step`` (a tag without its run record, left by a save
+    that died, is no fallback and does not count). Newer ones (left by a run that resumed from an older checkpoint
+    after a damaged one) are not this run's to delete: it overwrites them when it gets there."""
     reached = [tag for tag in saved_tags(root) if tag_step(tag) <= step]
-    for old in reached[keep:]:
-        shutil.rmtree(root / old, ignore_errors=True)
+    kept = [tag for tag in reached if (root / tag / RUN_RECORD).is_file()][:keep]
+    for old in reached:
+        if old not in kept:
+            shutil.rmtree(root / old, ignore_errors=True)
 
 
 # ----- checking a tag before DeepSpeed reads it

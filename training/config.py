@@ -262,6 +262,12 @@ def validate(config: TrainConfig) -> None:
     if config.data.source in ("json", "hf") and not config.data.path:
         problems.append(f"data.path is required for data.source={config.data.source}: pass data.path="
                         + ("<file.json|file.jsonl>" if config.data.source == "json" else "<HF dataset id>"))
+    local = config.data.source in ("json", "sharegpt") and config.features.mode != "recorded"
+    if local and config.data.path and not Path(config.data.path).expanduser().is_file():
+        problems.append(f"data.path={config.data.path}: no such file (a .json array or .jsonl of conversations)")
+    if config.init_from and not Path(config.init_from).expanduser().is_dir():
+        problems.append(f"init_from={config.init_from}: no such directory (a trained head: a run's OUTPUT_DIR/head, "
+                        f"an export, or heads/shipped/NAME)")
     lora = getattr(config.head, "lora", None)
     if lora is not None and lora.enabled and config.features.mode != "online":
         problems.append("head.lora.enabled (Medusa-2) trains the target itself: it needs features.mode=online")

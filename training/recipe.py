@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import statistics
 import time
 import warnings
@@ -140,10 +139,16 @@ class TrainRecipe:
         self.depth = eval_depth(conf.head, conf.eval)
 
     def claim_run_dir(self) -> None:
-        """A run directory holds one run: continuing one needs resume=true."""
+        """A run directory holds one run: continuing one needs resume=true. A run's head or summary counts too (its
+        checkpoints may have been deleted to free space; a new run would overwrite the trained head)."""
         if not self.conf.resume and checkpoints.holds_run(self.checkpoints):
             raise ValueError(f"{self.run_dir} already holds a run (checkpoints in {self.checkpoints}); pass "
                              f"resume=true to continue it, or choose another output_dir")
+        finished = [name for name in ("head", "summary.json") if (self.run_dir / name).exists()]
+        if finished and not checkpoints.holds_run(self.checkpoints):
+            raise ValueError(f"{self.run_dir} already holds a trained run ({', '.join(finished)}, no checkpoints to "
+                             f"resume from); choose another output_dir (init_from={self.run_dir / 'head'} starts "
+                             f"from its head)")
         ds.barrier()
         if self.dist.is_main:
             self.checkpoints.mkdir(parents=True, exist_ok=True)
@@ -328,7 +333,7 @@ class TrainRecipe:
                    "final_eval": self.history[-1] if self.history else None, "head_dir": str(self.run_dir / "head"),
                    "rank_digests": digests}
         if dist.is_main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            checkpoints.write_json_atomic(self.run_dir / "summary.json", summary)
             self.tracker.finish()
         ds.barrier()
         return summary

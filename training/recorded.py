@@ -104,8 +104,16 @@ class RecordingWriter:
 
 
 def settings_differences(found: dict, wanted: dict) -> list[str]:
-    return [f"{key}: {found.get(key)!r} in the store, {wanted.get(key)!r} here" for key in RECORDING_SETTINGS
-            if found.get(key) != wanted.get(key)]
+    """What differs between a store's description and this run's: the ``RECORDING_SETTINGS``, and where the
+    conversations come from (a store grows by recording more of the same conversations, whose ids are their
+    positions there: another source's conversation 0 would overwrite this one's shards)."""
+    differences = [f"{key}: {found.get(key)!r} in the store, {wanted.get(key)!r} here" for key in RECORDING_SETTINGS
+                   if found.get(key) != wanted.get(key)]
+    for key in ("source", "path"):
+        stored, here = (found.get("data") or {}).get(key), (wanted.get("data") or {}).get(key)
+        if "data" in found and stored != here:
+            differences.append(f"data.{key}: {stored!r} in the store, {here!r} here")
+    return differences
 
 
 def held_out_conversations(conversations: list[int], count: int, seed: int) -> set[int]:

@@ -144,12 +144,13 @@ def self_distill(conf: TrainConfig, out: Path, settings: DistillSettings = Disti
     from runtime.batched import BatchedDecoder
     from runtime.proposers import build_proposer
     from runtime.proposers.base import NoProposer
+    from training.engine import pick_device
     from runtime.prompts import prompt_seed
 
     validate(conf)
     done = finished_ids(out)  # before any slow work: a damaged file is reported first
     conversations = collect_conversations(conf.data)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device(conf.trainer.device, 0, torch.cuda.is_available())
     target = load_target(conf.target.name, dtype=settings.dtype or target_dtype(conf, device), device=device,
                          trust_remote_code=conf.target.trust_remote_code, attn_implementation="sdpa")
     proposer = build_proposer(settings.proposer, target) if settings.proposer is not None else NoProposer()
