@@ -82,6 +82,17 @@ def export_refusal(head_type: str, head_config: dict, target_layers: int | None,
         return ("vLLM's EAGLE-1 drafter has no bias on fc and this head was trained with one (fc_bias), which vLLM "
                 "would not load; serve it with SGLang (--format sglang) or the EAGLE authors' code (--format "
                 "reference)")
+    if head_type == "medusa" and fmt == "reference" and int(head_config.get("num_layers", 1)) > 1:
+        return (f"the Medusa authors' code repeats one residual block in each head (medusa_num_layers copies of the "
+                f"same weights) and this head has {head_config['num_layers']} different ones, which it would load "
+                f"as the last one repeated; export it for vLLM (--format vllm)")
+    if head_type == "eagle3" and fmt in ("sglang", "vllm") and target_layers:
+        layers = [int(i) for i in head_config.get("feature_layers") or default_feature_layers(target_layers)]
+        if any(low >= high for low, high in zip(layers, layers[1:])):
+            return (f"SGLang and vLLM capture the fused layers' inputs while running the target's layers in order, "
+                    f"once each, so they fuse them in ascending order; this head fuses {layers} in that order, "
+                    f"which they would serve as another head. Train it with ascending head.feature_layers "
+                    f"(or export it for the EAGLE authors' code, --format reference, if they are its defaults)")
     if head_type == "eagle3" and fmt == "reference" and target_layers and head_config.get("feature_layers"):
         default = default_feature_layers(target_layers)
         if [int(i) for i in head_config["feature_layers"]] != default:

@@ -50,13 +50,13 @@ def make_head(kind, model):
     elif kind.startswith("eagle"):
         head = randomized(EagleHead(EagleConfig(fc_bias=kind != "eagle-nobias"), model.config))
     else:
-        head = randomized(MedusaHeads(MedusaConfig(num_heads=3, num_layers=2, shared_lm_head=kind == "medusa"),
-                                      model.config))
+        head = randomized(MedusaHeads(MedusaConfig(num_heads=3, num_layers=1 if kind == "medusa-one-layer" else 2,
+                                                   shared_lm_head=kind != "medusa-own-heads"), model.config))
     head.attach_target_weights(*frozen_target_weights(model))
     return head.eval()
 
 
-KINDS = ["eagle3", "eagle3-layers", "eagle", "eagle-nobias", "medusa", "medusa-own-heads"]
+KINDS = ["eagle3", "eagle3-layers", "eagle", "eagle-nobias", "medusa", "medusa-own-heads", "medusa-one-layer"]
 FORMATS = ["sglang", "vllm", "reference"]
 
 
@@ -78,7 +78,7 @@ def test_every_export_loads_back_as_the_same_head(kind, tmp_path):
         assert config["format"] == "imported" and config["head_type"] == head.head_type
         torch.testing.assert_close(draft_logits(loaded), expected, rtol=0, atol=0)
         exported += 1
-    assert exported >= 2
+    assert exported >= (1 if kind in ("medusa", "medusa-own-heads") else 2)  # two Medusa layers: vLLM only
 
 
 def test_the_refused_combinations_say_which_format_to_use():
@@ -88,6 +88,12 @@ def test_the_refused_combinations_say_which_format_to_use():
     assert "always fuses the inputs of target layers [2, 4, 5]" in export_refusal(
         "eagle3", {"feature_layers": [1, 3, 6]}, LAYERS, "reference")
     assert export_refusal("eagle3", {"feature_layers": [2, 4, 5]}, LAYERS, "reference") is None
+    assert "repeats one residual block" in export_refusal("medusa", {"num_layers": 2}, LAYERS, "reference")
+    assert export_refusal("medusa", {"num_layers": 1}, LAYERS, "reference") is None
+    for fmt in ("sglang", "vllm"):  # the engines fuse in ascending layer order, each layer once
+        assert "ascending order" in export_refusal("eagle3", {"feature_layers": [6, 3, 1]}, LAYERS, fmt)
+        assert "ascending order" in export_refusal("eagle3", {"feature_layers": [1, 3, 3]}, LAYERS, fmt)
+        assert export_refusal("eagle3", {"feature_layers": [1, 3, 6]}, LAYERS, fmt) is None
 
 
 def config_of(directory):
@@ -133,19 +139,22 @@ def test_eagle1_and_medusa_files_are_what_each_engine_loads(tmp_path):
     medusa = make_head("medusa", model)
     vllm = config_of(export_head(medusa, tmp_path / "m-vllm", fmt="vllm"))
     assert vllm["medusa_fc_bias"] is True and vllm["num_heads"] == 3 and vllm["num_hidden_layers"] == 2
-    reference = export_head(medusa, tmp_path / "m-reference", fmt="reference", base_model="tiny")
+    with pytest.raises(ValueError, match="repeats one residual block"):  # two different blocks per head
+        export_head(medusa, tmp_path / "m-reference", fmt="reference", base_model="tiny")
+    reference = export_head(make_head("medusa-one-layer", model), tmp_path / "m-reference", fmt="reference",
+                            base_model="tiny")
     config = config_of(reference)
     assert (config["medusa_num_heads"], config["medusa_num_layers"], config["base_model_name_or_path"]) == (
-        3, 2, "tiny")
+        3, 1, "tiny")
     state = torch.load(reference / "medusa_lm_head.pt", weights_only=True)
-    assert set(state) == {f"{h}.{layer}.linear.{leaf}" for h in range(3) for layer in range(2)
-                          for leaf in ("weight", "bias")} | {f"{h}.2.weight" for h in range(3)}
-    torch.testing.assert_close(state["1.2.weight"], model.get_output_embeddings().weight)
+    assert set(state) == {f"{h}.0.linear.{leaf}" for h in range(3) for leaf in ("weight", "bias")} | {
+        f"{h}.1.weight" for h in range(3)}
+    torch.testing.assert_close(state["1.1.weight"], model.get_output_embeddings().weight)
 
 
 def test_export_all_writes_one_directory_per_format_that_carries_the_head(tmp_path):
     model = target_model()
-    done = export_all(make_head("medusa", model), tmp_path / "all")
+    done = export_all(make_head("medusa-one-layer", model), tmp_path / "all")
     assert done["sglang"].startswith("skipped: SGLang has no Medusa")
     assert sorted(path.name for path in (tmp_path / "all").iterdir()) == [EXPORT_MARKER, "reference", "vllm"]
     for fmt in ("vllm", "reference"):
