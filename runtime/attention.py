@@ -119,9 +119,15 @@ def causal_mask(rows: int, keys: int, device) -> torch.Tensor:
 FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn's kernels take only these
 
 
+FLASH_MIN_CAPABILITY = (8, 0)  # flash-attn 2 runs on Ampere and newer
+
+
 def flash_attn_available(device: torch.device, dtype: torch.dtype | None = None) -> bool:
-    """Whether flash-attn's kernels can run here: CUDA, flash-attn installed and (when given) a dtype it takes."""
+    """Whether flash-attn's kernels can run here: a CUDA GPU of compute capability 8.0 or more, flash-attn
+    installed and (when given) a dtype it takes."""
     if device.type != "cuda" or (dtype is not None and dtype not in FLASH_DTYPES):
+        return False
+    if torch.cuda.get_device_capability(device) < FLASH_MIN_CAPABILITY:
         return False
     return importlib.util.find_spec("flash_attn") is not None
 
@@ -220,6 +226,9 @@ def transformers_attention_forward(module, query, key, value, attention_mask, dr
     ``softcap`` goes through the reference attention, which takes it. Returns (out [B, T, H, D], None) as
     transformers expects.
     """
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise ValueError("this attention has sinks (s_aux: learnt per-head logits beside the keys), which the tree "
+                         "attention does not apply: the target cannot be decoded here")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     keys = key.shape[2]
     windowed = sliding_window is not None and keys > sliding_window  # shorter contexts: the window cuts nothing

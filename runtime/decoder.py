@@ -360,7 +360,7 @@ def check_prompt_length(target: Target, prompt_len: int, max_new_tokens: int, wh
     if prompt_len + max_new_tokens > limit:
         raise ValueError(
             f"{which} of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the target's context of "
-            f"{limit} positions; shorten the prompt or lower max_new_tokens")
+            f"{limit} positions{getattr(target, 'context_note', '')}; shorten the prompt or lower max_new_tokens")
 
 
 def pick_token(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:

@@ -37,6 +37,57 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def _configs(config) -> list:
+    """``config`` and its sub-configs, recursively (a composite model's text and vision parts)."""
+    found = [config]
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "_attn_implementation_internal"):
+            found += _configs(sub)
+    return found
+
+
+# families whose sliding window reaches attention only through transformers' own per-layer masks (the attention
+# call never receives it), which a runtime's own tree mask replaces
+MASK_ONLY_WINDOWS = ("qwen2_moe", "phimoe")
+
+
+def unsupported_attention(model) -> str | None:
+    """What in ``model``'s attention the runtime's attention function would not apply (a description), or None:
+    attention sinks (learnt per-head logits, GPT-OSS), chunked attention (Llama-4) and windows that only
+    transformers' masks apply (``MASK_ONLY_WINDOWS``)."""
+    if any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules()):
+        return "has sinks (learnt per-head logits beside the keys, as in GPT-OSS)"
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk:
+        return f"attends in chunks of {chunk} tokens (attention_chunk_size) through transformers' own masks"
+    window = getattr(config, "sliding_window", None)
+    active = getattr(config, "use_sliding_window", True)
+    limit = getattr(config, "max_position_embeddings", None)
+    if config.model_type in MASK_ONLY_WINDOWS and window and active and (limit is None or window < limit):
+        return (f"has a sliding window of {window} tokens that {config.model_type} applies only through "
+                f"transformers' own masks")
+    return None
+
+
+RESCALING_ROPE = ("dynamic", "longrope")  # frequencies chosen from the longest position of the pass
+
+
+def rescaling_rope_context(config) -> int | None:
+    """The original context of a rotary embedding whose frequencies depend on the longest position in a pass
+    (``RESCALING_ROPE``), or None for any other."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    groups = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    for group in groups:
+        if isinstance(group, dict) and group.get("rope_type", group.get("type")) in RESCALING_ROPE:
+            original = group.get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings", None) or getattr(config, "max_position_embeddings", None)
+            return int(original) if original else None
+    return None
+
+
 @dataclass
 class TargetOutput:
     """logits [B, T', V] (T' = positions asked for); hidden [B, T, H]: last layer after the final norm;
@@ -59,6 +110,10 @@ class Target:
         if model.training:
             raise ValueError("the target model is in training mode (dropout would change its outputs); call "
                              "model.eval() before handing it to Target")
+        problem = unsupported_attention(model)
+        if problem:
+            raise ValueError(f"the target's attention {problem}, which this runtime's tree attention does not "
+                             f"apply: decoding it here would not give the target's output")
         self.model = model
         self.tokenizer = tokenizer
         self.identity = identity
@@ -72,7 +127,9 @@ class Target:
     @contextmanager
     def _runtime_layers(self):
         """Tree attention and decode layers for one pass; the model's own settings come back afterwards."""
-        stock_attention = self.config._attn_implementation
+        # each config's own setting: the setter writes one value down into every sub-config, which would flatten
+        # a composite model's per-part choices (eager for a text part, sdpa for a vision part) when restored
+        stock = [(config, config._attn_implementation_internal) for config in _configs(self.config)]
         self.config._attn_implementation = self._tree_attention
         try:
             if self._decode_layers is None:
@@ -81,7 +138,8 @@ class Target:
                 with self._decode_layers.active():
                     yield
         finally:
-            self.config._attn_implementation = stock_attention
+            for config, setting in stock:
+                config._attn_implementation_internal = setting
 
     @property
     def device(self) -> torch.device:
@@ -105,7 +163,22 @@ class Target:
 
     @property
     def max_positions(self) -> int:
-        return int(getattr(self.config, "max_position_embeddings", 1 << 20))
+        """The longest prompt + generation decoded here: the model's context, or for a rotary embedding that
+        rescales with the longest position of each pass (dynamic NTK, LongRoPE) its original context, past which
+        a tree pass's frequencies would depend on its deepest draft and the output would no longer be the
+        target's (``context_note`` says so)."""
+        limit = int(getattr(self.config, "max_position_embeddings", 1 << 20))
+        original = rescaling_rope_context(self.config)
+        return limit if original is None else min(limit, original)
+
+    @property
+    def context_note(self) -> str:
+        """Why ``max_positions`` is below the model's context, or ''."""
+        original = rescaling_rope_context(self.config)
+        if original is None or original >= int(getattr(self.config, "max_position_embeddings", 1 << 20)):
+            return ""
+        return (f" (its rotary embedding rescales past {original} positions with the longest position of each "
+                f"pass, so a verification pass would change the frequencies its drafts see)")
 
     @property
     def eos_token_ids(self) -> set[int]:

@@ -116,3 +116,4 @@ def test_cuda_backends_match_sdpa(dtype):
     for backend in available_backends(q.device):
         got = tree_attention(q, k, v, mask, 0.125, backend, prefix_len=prefix)
         torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+

@@ -219,15 +219,19 @@ def test_streaming_iterator_yields_what_generate_returns():
 
 
 def test_auto_attention_takes_flash_attn_only_where_it_runs(monkeypatch):
-    """The CUDA-only choice, decided on CPU: flash-attn takes fp16/bf16 on CUDA, nothing else."""
+    """The CUDA-only choice, decided on CPU: flash-attn takes fp16/bf16 on a CUDA GPU of compute capability 8.0
+    (Ampere) or more, nothing else."""
     import importlib.util
 
     from runtime import attention
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     cuda = torch.device("cuda")
     assert attention.default_backend(cuda, torch.bfloat16) == "cascade"
     assert attention.default_backend(cuda, torch.float16) == "cascade"
     assert attention.default_backend(cuda, torch.float32) == "sdpa"  # flash-attn has no fp32 kernel
     assert attention.default_backend(torch.device("cpu"), torch.bfloat16) == "sdpa"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4: flash-attn 2 fails
+    assert attention.default_backend(cuda, torch.float16) == "sdpa"

@@ -35,3 +35,72 @@ def test_weights_that_do_not_match_the_config_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"lack \d+ tensors .*num_hidden_layers"):
         load_target(str(tmp_path))
+
+
+def test_attention_the_tree_attention_would_not_apply_is_refused():
+    """Sinks (GPT-OSS's learnt per-head logits) and windows that only transformers' own masks apply (Qwen2-MoE,
+    Llama-4's chunks) would be lost under the runtime's tree mask: such targets are refused when made, and a sink
+    that reaches the attention call anyway is refused there."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    from runtime.attention import transformers_attention_forward
+    from runtime.target import target_from_model
+
+    model = tiny_model("llama")
+    model.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match="has sinks"):
+        target_from_model(model, identity="sinks")
+    config = Qwen2MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, num_experts=2, num_experts_per_tok=1,
+                            vocab_size=64, use_sliding_window=True, sliding_window=6, max_position_embeddings=512)
+    with pytest.raises(ValueError, match="sliding window of 6 tokens that qwen2_moe applies only"):
+        target_from_model(AutoModelForCausalLM.from_config(config).eval(), identity="moe")
+    config.use_sliding_window = False  # no window: nothing lost
+    target_from_model(AutoModelForCausalLM.from_config(config).eval(), identity="moe")
+    chunked = tiny_model("llama")
+    chunked.config.attention_chunk_size = 8
+    with pytest.raises(ValueError, match="chunks of 8 tokens"):
+        target_from_model(chunked, identity="chunked")
+    query = torch.zeros(1, 4, 1, 8)
+    with pytest.raises(ValueError, match="sinks"):
+        transformers_attention_forward(None, query, query, query, None, s_aux=torch.zeros(4))
+
+
+def test_a_rotary_embedding_that_rescales_per_pass_limits_the_context():
+    """LongRoPE (and dynamic NTK) pick their frequencies from the longest position of a pass: past the original
+    context, a verification pass's drafts would change what its accepted tokens saw. The decoder stops there, and
+    says why."""
+    from runtime.decoder import SpeculativeDecoder
+    from runtime.target import target_from_model
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+            "short_factor": [1.0] * 4, "long_factor": [4.0] * 4}
+    target = target_from_model(tiny_model("llama", max_position_embeddings=64, rope_parameters=rope), identity="long")
+    assert target.max_positions == 16
+    decoder = SpeculativeDecoder(target, None, tree_size=1)
+    assert len(decoder.generate(list(range(1, 9)), 8).tokens) == 8
+    with pytest.raises(ValueError, match="context of 16 positions .its rotary embedding rescales past 16"):
+        decoder.generate(list(range(1, 9)), 9)
+    assert target_from_model(tiny_model("llama"), identity="plain").max_positions == 512
+
+
+def test_a_composite_models_attention_settings_come_back_after_a_pass(monkeypatch):
+    """The runtime sets its tree attention for a pass and restores each config's own setting, sub-configs included
+    (the transformers setter would write the top-level value down into every sub-config)."""
+    import torch
+    from transformers import LlamaConfig
+
+    from runtime.target import target_from_model
+
+    model = tiny_model("llama")
+    config = model.config
+    # as a composite model's config lists its parts
+    monkeypatch.setattr(LlamaConfig, "sub_configs", {"text_config": LlamaConfig})
+    config.text_config = LlamaConfig()
+    config._attn_implementation_internal = "sdpa"
+    config.text_config._attn_implementation_internal = "eager"
+    target = target_from_model(model, identity="composite")
+    cache = target.new_cache(1, 8)
+    target.forward(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], cache, None)
+    assert (config._attn_implementation, config.text_config._attn_implementation) == ("sdpa", "eager")
