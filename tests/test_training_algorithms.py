@@ -65,6 +65,13 @@ def test_losses_by_hand():
     # an id outside the draft vocabulary (-inf) drops out and the rest renormalises
     masked = sparse_soft_cross_entropy(logits, torch.tensor([[0.0, float("-inf")]]), torch.tensor([[0, -1]]))
     assert torch.allclose(masked, -F.log_softmax(logits, -1)[:, 0])
+    # a row whose every top-k id is outside the draft vocabulary counts 0, and its gradient too (not NaN)
+    both = torch.tensor([[2.0, 0.0, -1.0], [0.5, 0.5, 0.0]], requires_grad=True)
+    loss = sparse_soft_cross_entropy(both, torch.tensor([[0.0, float("-inf")], [float("-inf"), float("-inf")]]),
+                                     torch.tensor([[0, -1], [-1, -1]]))
+    assert loss[1] == 0 and torch.allclose(loss[0], masked[0])
+    loss.sum().backward()
+    assert torch.isfinite(both.grad).all() and not both.grad[1].any()
     assert feature_regression_loss(torch.tensor([[0.0, 3.0]]), torch.tensor([[0.5, 0.0]])).item() == \
         pytest.approx((0.5 * 0.25 + 2.5) / 2)
     assert decay_weights(3, 0.8) == pytest.approx([1.0, 0.8, 0.64])

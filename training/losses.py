@@ -16,11 +16,13 @@ def sparse_soft_cross_entropy(logits: torch.Tensor, target_logprobs: torch.Tenso
     """Soft CE against a top-k target: logits [N, V]; target_logprobs, target_ids [N, k] -> [N].
 
     The k probabilities are renormalised (the mass outside the top-k is dropped); entries with log p = -inf
-    (ids outside the draft vocabulary) contribute nothing.
+    (ids outside the draft vocabulary) contribute nothing, and a row of only such entries is 0 with a zero
+    gradient (its softmax is NaN: zeroing the product afterwards would leave NaN in the backward pass).
     """
-    weights = torch.softmax(target_logprobs.float(), dim=-1)
+    finite = torch.isfinite(target_logprobs)
+    weights = torch.where(finite, torch.softmax(target_logprobs.float(), dim=-1), 0.0)
     log_q = F.log_softmax(logits.float(), dim=-1).gather(-1, target_ids.clamp_min(0))
-    return -(weights * log_q).nan_to_num(0.0).sum(-1)
+    return -(weights * log_q).sum(-1)
 
 
 def hard_cross_entropy(logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
