@@ -42,24 +42,20 @@ CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
 def machine_description(device: torch.device) -> dict:
-    """What a results file records about the machine: CPU model and the flags that choose kernels, torch's CPU
-    capability, core count, and the GPU when the run used one."""
+    """What a results file records about the machine: CPU model, its family/model/stepping, clock and cache (the
+    model name alone does not tell two generations apart), the flags that choose kernels, torch's CPU capability,
+    the cores (and those this process may use), and the GPU when the run used one."""
+    from runtime.cost_model import cpu_info
     from runtime.kernels import native_bf16_matmul
 
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:  # not Linux: the platform string is what there is
-        pass
-    described = {"cpu": model, "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
+    info = cpu_info()  # empty off Linux: the platform string is what there is
+    flags = set(info.get("flags", "").split())
+    described = {"cpu": info.get("cpu") or platform.processor() or platform.machine(),
+                 "cpu_id": {name: info[name] for name in ("family", "model", "stepping", "mhz", "cache")
+                            if name in info},
+                 "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
                  "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
+                 "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                  "native_bf16_matmul": native_bf16_matmul()}
     if device.type == "cuda":
         described["gpu"] = torch.cuda.get_device_name(device)
@@ -263,9 +259,34 @@ class HFModels:
         self.counters.clear()
 
 
+# generate() fills every setting a call leaves unset from the model's own generation_config; these would change
+# the logits it picks from (a repetition penalty applies even to greedy decoding), so the baselines pin them to
+# plain decoding, as this runtime decodes
+PLAIN_DECODING = dict(repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
+                      encoder_no_repeat_ngram_size=0, min_new_tokens=0, suppress_tokens=[],
+                      begin_suppress_tokens=[], typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
+# settings with no neutral value to pin: a target whose generation_config holds one is refused
+UNPINNABLE = ("bad_words_ids", "forced_bos_token_id", "forced_eos_token_id", "sequence_bias",
+              "exponential_decay_length_penalty", "min_p", "guidance_scale", "watermarking_config")
+
+
+def plain_generation_settings(model) -> dict:
+    """``generate`` keyword arguments that make HF decode plainly whatever ``model.generation_config`` holds; a
+    setting that cannot be pinned is a clear error before any work."""
+    config = getattr(model, "generation_config", None)
+    held = [name for name in UNPINNABLE if getattr(config, name, None) not in (None, 1.0)] if config else []
+    if held:
+        raise ValueError(f"the target's generation_config sets {', '.join(held)}, which HF generate would apply and "
+                         f"this runtime does not: its baselines would not be plain decoding; clear them in "
+                         f"generation_config.json (the runtime ignores them either way)")
+    return dict(PLAIN_DECODING)
+
+
 def run_hf(model, counter, ids, baseline: HFBaseline, max_new_tokens, eos, temperature=0.0, seed=0, assistant=None):
     """One ``generate`` call of ``baseline`` on ``model``: (new tokens, seconds, full target forwards, None)."""
-    extra = {"prompt_lookup_num_tokens": PLD_TOKENS} if baseline.method == "hf-pld" else {}
+    extra = plain_generation_settings(model)
+    if baseline.method == "hf-pld":
+        extra["prompt_lookup_num_tokens"] = PLD_TOKENS
     if baseline.method == "hf-assisted":
         extra["assistant_model"] = assistant
     if baseline.method == "hf-early-exit":
@@ -467,11 +488,11 @@ def run_benchmark(target, target_name: str, methods: dict[str, Method], prompts:
     output = Path(output)
     models = HFModels(target, target_name)
     eos = sorted(target.eos_token_ids)
+    if temperature > 0 and any(isinstance(method, PeerMethod) for method in methods.values()):
+        raise ValueError("the peer decoders (economize-*, flashspec-ngram) run greedy only: use temperature 0")
     decoders = {name: SpeculativeDecoder(target, build_proposer(method.proposer, target),
                                          tree_size=method.tree_size or tree_size)
                 for name, method in methods.items() if isinstance(method, DecoderMethod)}
-    if temperature > 0 and any(isinstance(method, PeerMethod) for method in methods.values()):
-        raise ValueError("the peer decoders (economize-*, flashspec-ngram) run greedy only: use temperature 0")
     peers = {name: PeerDecoder(method, target, target_name) for name, method in methods.items()
              if isinstance(method, PeerMethod)}
 
@@ -605,7 +626,8 @@ def run_hf_batch(model, rows: list[torch.Tensor], max_new_tokens: int, eos: list
     input_ids, attention_mask = left_padded(rows, pad)
     started = time.perf_counter()
     out = model.generate(input_ids.to(model.device), attention_mask=attention_mask.to(model.device),
-                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad)
+                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=pad,
+                         **plain_generation_settings(model))
     seconds = synchronized_seconds(model.device, started)
     stops = set(eos)
     return [until_stop(row, stops) for row in out[:, input_ids.shape[1]:].tolist()], seconds
@@ -696,8 +718,9 @@ def run_batch_benchmark(target, target_name: str, methods: dict[str, Method], pr
     batch size, is compared with HF greedy (in the target's dtype) decoding its prompt alone: ``identical`` is the
     fraction of rows equal to it (HF's own batched rows can differ, as left padding changes its numerics).
 
-    Timings follow a warm-up of every method at every batch size. The prompts go in chunks of ``chunk_size`` (rounded
-    up to a multiple of the largest batch size; None: all prompts, one chunk): per chunk, each batch size above 1 runs
+    Timings follow a warm-up of every method at every batch size (the cost curves of every row count a chunk will
+    decode at are measured there, not inside a timing). The prompts go in chunks of ``chunk_size`` (rounded up to a
+    multiple of the largest batch size; None: the largest batch size): per chunk, each batch size above 1 runs
     every method over it, in an order rotated from chunk to chunk, then every prompt of it runs at batch 1, methods
     interleaved per prompt, so drift of the machine hits all methods alike. ``tree_size``: as in ``run_benchmark``.
     ``pass_costs``: also measure the seconds of one target pass for every batch size and tree size of
@@ -706,6 +729,7 @@ def run_batch_benchmark(target, target_name: str, methods: dict[str, Method], pr
     from tqdm import tqdm
 
     from runtime.batched import BatchedDecoder
+    from runtime.cost_model import cost_curve
     from runtime.decoder import SpeculativeDecoder
     from runtime.prompts import batch_pad_token_id, encode_prompt
     from runtime.proposers import build_proposer
@@ -767,13 +791,21 @@ def run_batch_benchmark(target, target_name: str, methods: dict[str, Method], pr
     names = list(methods)
     try:
         encoded = [encode_prompt(tokenizer, p["prompt"]) for p in prompts]
+        step = -(-(chunk_size or sizes[-1]) // sizes[-1]) * sizes[-1]
+        chunks = [list(range(start, min(start + step, len(prompts)))) for start in range(0, len(prompts), step)]
+        # a batched decoder sizes its tree from the cost curve at its width, measured once on first use: a short
+        # last chunk decodes at fewer rows, whose curve is measured here rather than inside its timing
+        widths = {min(size, len(chunk)) for size in sizes[1:] for chunk in chunks} - {1}
+        if any(decoders[size] for size in sizes[1:]):
+            for width in sorted(widths):
+                cost_curve(target, width)
         for name in names:  # warm-up at every batch size (a batched decoder sizes its tree for its width here)
             for size in sizes[1:]:
                 run_batched(name, encoded[:size], 16, size)
             run_single(name, encoded[0], 16)
         stats = {size: {name: MethodStats() for name in names} for size in sizes}
         records = [{"id": p["id"], "outputs": {str(size): {} for size in sizes}} for p in prompts]
-        config = {"mode": "batch", "batch_sizes": sizes, "chunk_size": chunk_size, "target": target_name,
+        config = {"mode": "batch", "batch_sizes": sizes, "chunk_size": step, "target": target_name,
                   "dtype": dtype_name(target.dtype), "prompts": prompts_source or "mt-bench", "stride": stride,
                   "n_prompts": len(prompts), "max_new_tokens": max_new_tokens, "temperature": 0.0, "pad_token_id": pad,
                   "threads": torch.get_num_threads(), "torch": torch.__version__,
@@ -786,8 +818,6 @@ def run_batch_benchmark(target, target_name: str, methods: dict[str, Method], pr
                                                   measure_pass_seconds(target, sizes=BATCH_SIZES,
                                                                        batch_size=rows).items()}
                                       for rows in sizes}
-        step = len(prompts) if chunk_size is None else -(-chunk_size // sizes[-1]) * sizes[-1]
-        chunks = [list(range(start, min(start + step, len(prompts)))) for start in range(0, len(prompts), step)]
         done = 0
         for number, chunk in enumerate(tqdm(chunks, desc="batch benchmark", file=sys.stderr,
                                             disable=not progress or len(chunks) == 1)):

@@ -33,8 +33,39 @@ BATCH_SIZES = (1, 2, 4, 6, 8, 12, 16)  # tree sizes measured for several rows: l
 CURVE_VERSION = 3
 
 
+CPUINFO_FIELDS = {"model name": "cpu", "cpu family": "family", "model": "model", "stepping": "stepping",
+                  "cpu MHz": "mhz", "cache size": "cache", "flags": "flags"}
+
+
+def cpu_info() -> dict[str, str]:
+    """The first processor's entry of /proc/cpuinfo under short names (``CPUINFO_FIELDS``): the model name alone
+    ("AMD EPYC") does not tell two generations apart, family, model and stepping do. Empty off Linux."""
+    found: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if not line.strip():
+                    break  # the first processor's entry ends here
+                key, _, value = line.partition(":")
+                if key.strip() in CPUINFO_FIELDS:
+                    found[CPUINFO_FIELDS[key.strip()]] = value.strip()
+    except OSError:
+        pass
+    return found
+
+
+def machine_key(device: torch.device) -> str:
+    """What a cached cost curve was measured on: the CPU (model, family/model/stepping, cores this process may use,
+    threads) and the GPU when the device is one."""
+    info = cpu_info()
+    cpu = "/".join(info.get(name, "") for name in ("cpu", "family", "model", "stepping")) or platform.machine()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return f"{cpu}-{platform.machine()}-{cores}-{torch.get_num_threads()}-{gpu}"
+
+
 def _curve_path(target: Target, batch_size: int = 1):
-    machine = f"{platform.processor()}-{platform.machine()}-{os.cpu_count()}-{torch.get_num_threads()}"
+    machine = machine_key(target.device)
     key = f"{target.identity}|{target.dtype}|{target.device}|{machine}|{torch.__version__}|v{CURVE_VERSION}"
     if batch_size > 1:
         key += f"|rows={batch_size}"

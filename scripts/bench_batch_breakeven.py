@@ -26,7 +26,8 @@ from runtime.prompts import encode_prompt, read_prompts
 from runtime.proposers import build_proposer
 from runtime.target import load_target
 
-from cli import parse_proposer, positive_int, positive_int_list  # scripts/cli.py
+from cli import (check_head_directories, check_output_path, parse_proposer, positive_int,  # scripts/cli.py
+                 positive_int_list)
 
 
 def main(argv=None) -> int:
@@ -40,7 +41,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--output", help="JSON results file")
     args = parser.parse_args(argv)
+    check_output_path(args.output)  # before the work, not when writing its results
     specs = {name: parse_proposer(name.strip(), flag="--methods") for name in args.methods.split(",") if name.strip()}
+    check_head_directories(specs.values())
     target = load_target(args.target, dtype=args.dtype, quiet=True)
     prompts = [encode_prompt(target.tokenizer, record["prompt"]) for record in read_prompts()[::5][:args.prompts]]
     machine = machine_description(target.device)

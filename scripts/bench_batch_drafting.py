@@ -24,7 +24,7 @@ from runtime.prompts import encode_prompt, read_prompts
 from runtime.proposers import build_proposer
 from runtime.target import load_target
 
-from cli import parse_proposer, positive_int  # scripts/cli.py
+from cli import check_head_directories, parse_proposer, positive_int  # scripts/cli.py
 
 
 def main(argv=None) -> int:
@@ -38,6 +38,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     args = parser.parse_args(argv)
     specs = {name: parse_proposer(name.strip(), flag="--methods") for name in args.methods.split(",") if name.strip()}
+    check_head_directories(specs.values())
     target = load_target(args.target, dtype=args.dtype, quiet=True)
     prompts = [encode_prompt(target.tokenizer, record["prompt"]) for record in read_prompts()[::10][:args.prompts]]
     machine = machine_description(target.device)

@@ -24,7 +24,7 @@ from runtime.prompts import encode_prompt, read_prompts
 from runtime.target import DEFAULT_TARGET, load_target
 
 from bench_vocab_projection import median_ms  # scripts/bench_vocab_projection.py
-from cli import positive_int  # scripts/cli.py
+from cli import check_output_path, positive_int  # scripts/cli.py
 
 
 def prefill(target, prompts: list[torch.Tensor]) -> None:
@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--output", help="also write the results as JSON here")
     args = parser.parse_args(argv)
+    check_output_path(args.output)  # before the work, not when writing its results
     target = load_target(args.target, dtype=args.dtype)
     records = read_prompts()[::args.stride][:args.rows]
     prompts = [encode_prompt(target.tokenizer, record["prompt"]).to(target.device) for record in records]

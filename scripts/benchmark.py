@@ -27,11 +27,13 @@ import torch
 from runtime.benchmark import (batch_markdown_table, batch_methods, check_batch_methods, default_methods,
                                describe_divergences, markdown_table, method_from_json, rescore, run_batch_benchmark,
                                run_benchmark)
+from runtime.peers import PeerMethod
 from runtime.proposers import NoShippedHead
 from runtime.target import DEFAULT_TARGET, load_target
 
-from cli import (check_early_exit, check_output_path, missing_head, non_negative_float, parse_method,  # scripts/cli.py
-                 parse_methods, positive_int, positive_int_list, read_prompts_or_exit, usage_error)
+from cli import (check_early_exit, check_head_directories, check_output_path, missing_head,  # scripts/cli.py
+                 non_negative_float, parse_method, parse_methods, positive_int, positive_int_list,
+                 read_prompts_or_exit, usage_error)
 
 DEFAULT_METHODS = "hf-greedy,hf-pld,none,ngram"
 
@@ -70,7 +72,7 @@ def parse_args(argv=None):
                              "decoder), for each size given and batch 1, greedy (default: the batch-1 benchmark)")
     parser.add_argument("--batch-chunk", type=positive_int,
                         help="with --batch-size: prompts per interleaved round (rounded up to a multiple of the "
-                             "largest batch size; default: all prompts in one round)")
+                             "largest batch size; default: the largest batch size)")
     parser.add_argument("--pass-costs", action="store_true",
                         help="with --batch-size: also measure one target pass's seconds per batch and tree size")
     return parser.parse_args(argv)
@@ -114,7 +116,11 @@ def run_batch(args, methods, prompts) -> int:
 
 
 def rescore_file(path: Path, device: str) -> int:
-    results = json.loads(path.read_text())
+    try:
+        results = json.loads(path.read_text())
+        results["config"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise usage_error("--rescore", f"{path} is not a results file of this benchmark ({error})") from None
     if results["config"].get("mode") == "batch":
         raise usage_error("--rescore", f"{path} holds a batch benchmark (--batch-size), which has no divergence "
                                        "report to recompute")
@@ -138,6 +144,10 @@ def main(argv=None) -> int:
     if args.batch_size is not None and not args.methods:
         methods = batch_methods(methods)  # the HF baselines that batch
     check_batch_arguments(args, methods)
+    check_head_directories(methods.values())
+    if args.temperature > 0 and any(isinstance(method, PeerMethod) for method in methods.values()):
+        raise usage_error("--methods", "the peer decoders (economize-*, flashspec-ngram) run greedy only: use "
+                                       "--temperature 0 with them")
     prompts = read_prompts_or_exit(args.prompts)[:: args.stride][: args.limit]
     check_output_path(args.output)
     check_output_path(args.plot, "--plot")

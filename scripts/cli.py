@@ -52,6 +52,28 @@ def positive_int(text: str) -> int:
     return value
 
 
+def check_head_directories(specs, flag: str = "--methods") -> None:
+    """Each ProposerSpec's head directory (of ``specs``, or of methods holding them) exists: a typo is named
+    before the target loads rather than after."""
+    for spec in specs:
+        spec = getattr(spec, "proposer", spec)
+        directory = getattr(spec, "head", None)
+        if directory and not Path(directory).expanduser().is_dir():
+            raise usage_error(flag, f"{directory}: no such head directory (a trained head: a run's OUTPUT_DIR/head, "
+                                    f"an export, or heads/shipped/NAME)")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 0 (an index)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a whole number of 0 or more") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; give 0 or more")
+    return value
+
+
 def positive_int_list(text: str) -> list[int]:
     """argparse ``type=``: comma-separated integers >= 1 (``4,16``)."""
     return [positive_int(part.strip()) for part in text.split(",")]
@@ -246,6 +268,6 @@ def check_early_exit(methods: dict[str, Method], num_layers: int, flag: str = "-
 def parse_grid_setting(text: str, fields: tuple[str, ...], flag: str = "--grid") -> list[int]:
     """``2,8,4`` -> [2, 8, 4]: one integer per name in ``fields``."""
     parts = text.split(",")
-    if len(parts) != len(fields) or not all(part.strip().isdigit() for part in parts):
-        raise usage_error(flag, f"setting {text!r}: expected {','.join(fields)} (integers)")
+    if len(parts) != len(fields) or not all(part.strip().isdigit() and int(part) >= 1 for part in parts):
+        raise usage_error(flag, f"setting {text!r}: expected {','.join(fields)} (positive integers)")
     return [int(part) for part in parts]

@@ -31,8 +31,8 @@ from runtime.decoder import SpeculativeDecoder
 from runtime.prompts import TextStream, encode_prompt, end_of_turn_token_ids, prompt_seed
 from runtime.target import DEFAULT_TARGET, load_target
 
-from cli import (PROPOSER_CHOICES, build_proposer_or_exit, check_output_path, non_negative_float,  # scripts/cli.py
-                 parse_proposer, positive_int, probability, read_prompts_or_exit, usage_error)
+from cli import (PROPOSER_CHOICES, build_proposer_or_exit, check_head_directories, check_output_path,  # scripts/cli.py
+                 non_negative_float, parse_proposer, positive_int, probability, read_prompts_or_exit, usage_error)
 
 
 def stop_text(text: str) -> str:
@@ -131,6 +131,7 @@ def batched_results(decoder: BatchedDecoder, runs, args, tokenizer, stop_token_i
 def main(argv=None) -> int:
     args = parse_args(argv)
     spec = parse_proposer(args.proposer, head=args.head, draft_model=args.draft_model)
+    check_head_directories([spec], "--head" if args.head else "--proposer")
     check_args(args, spec)
     prompts = read_inputs(args)
     target = load_target(args.target, dtype=args.dtype, device=args.device)

@@ -22,7 +22,8 @@ from runtime.proposers import NoProposer, ProposerSpec
 from runtime.proposers.eagle import EagleProposer
 from runtime.target import DEFAULT_TARGET, load_target
 
-from cli import build_proposer_or_exit, parse_grid_setting  # scripts/cli.py
+from cli import (build_proposer_or_exit, non_negative_int, parse_grid_setting, positive_int,  # scripts/cli.py
+                 usage_error)
 
 
 def main(argv=None) -> int:
@@ -32,9 +33,9 @@ def main(argv=None) -> int:
     parser.add_argument("--head", help="head directory (default: the shipped head for the target)")
     parser.add_argument("--grid", nargs="+", help="EAGLE: DEPTH,TOP_K,TREE_TOKENS settings (default 1,8,2 1,8,4 "
                         "2,8,4 2,8,8 3,8,8); Medusa: TREE_TOKENS settings (default 2 3 4 6 8)")
-    parser.add_argument("--first", type=int, default=20, help="index of the first MT-bench prompt used")
-    parser.add_argument("--count", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--first", type=non_negative_int, default=20, help="index of the first MT-bench prompt used")
+    parser.add_argument("--count", type=positive_int, default=4)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the target's dtype; a tree size is only right for the dtype it was measured in")
     args = parser.parse_args(argv)
@@ -44,10 +45,12 @@ def main(argv=None) -> int:
     # checked before the target loads, so a typo costs no wait
     settings = {setting: parse_grid_setting(setting, fields) for setting in grid}
     spec = ProposerSpec(args.proposer, head=args.head)
+    records = read_prompts(limit=args.first + args.count)[args.first:]
+    if not records:
+        raise usage_error("--first", f"{args.first} is past the last MT-bench prompt")
 
     target = load_target(args.target, dtype=args.dtype)
-    prompts = [encode_prompt(target.tokenizer, p["prompt"])
-               for p in read_prompts(limit=args.first + args.count)[args.first:]]
+    prompts = [encode_prompt(target.tokenizer, p["prompt"]) for p in records]
     proposer = build_proposer_or_exit(spec, target)
     decoders = {"none": SpeculativeDecoder(target, NoProposer())}
     for setting, values in settings.items():

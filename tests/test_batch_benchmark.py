@@ -72,7 +72,7 @@ def test_batch_benchmark_library_interleaves_chunks_and_counts_rows_to_their_sto
     results = run_batch_benchmark(target, str(tiny_dir), methods, prompts, tmp_path / "r.json", batch_sizes=[3],
                                   max_new_tokens=10, chunk_size=2, progress=False)  # chunks of 3 prompts, then 1
     assert set(results["methods"]["3"]) == {"hf-greedy", "ngram"}  # the baseline is added
-    assert results["config"]["chunk_size"] == 2 and len(results["records"]) == 4
+    assert results["config"]["chunk_size"] == 3 and len(results["records"]) == 4  # 2, rounded up to the batch
     assert results["methods"]["3"]["ngram"]["identical"] == results["methods"]["1"]["ngram"]["identical"] == 1.0
     assert json.loads((tmp_path / "r.json").read_text())["config"]["n_prompts"] == 4
     assert not target.model._forward_pre_hooks
@@ -135,3 +135,23 @@ def test_default_batch_methods_keep_only_the_hf_baselines_that_batch():
     kept = batch_methods(methods)
     assert list(kept) == ["hf-greedy", "hf-greedy-bf16", "ngram"]
     check_batch_methods(kept)
+
+
+def test_hf_baselines_decode_plainly_whatever_the_models_generation_config_holds():
+    """generate() fills unset settings from the model's generation_config: a repetition penalty there would make
+    "HF greedy" another decoding than the runtime's. The baselines pin such settings; one with no neutral value to
+    pin is refused before any work."""
+    from runtime.benchmark import ForwardCounter, plain_generation_settings, run_hf, run_hf_batch
+
+    model = tiny_model("llama")
+    prompt = torch.tensor([1, 2, 3, 1, 2, 3])
+    plain = model.generate(prompt[None], max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 6:].tolist()
+    model.generation_config.repetition_penalty = 1.3
+    assert model.generate(prompt[None], max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 6:].tolist() != plain
+    counter = ForwardCounter(model)
+    assert run_hf(model, counter, prompt, HFBaseline("hf-greedy"), 12, [0])[0] == plain
+    assert run_hf_batch(model, [prompt], 12, [63], 0)[0][0] == plain
+    counter.remove()
+    model.generation_config.forced_eos_token_id = 5
+    with pytest.raises(ValueError, match="sets forced_eos_token_id"):
+        plain_generation_settings(model)

@@ -73,6 +73,12 @@ def test_script_mistakes_are_reported_before_anything_loads(prompt_files, tmp_pa
         ("benchmark", ["--prompts", p["good"], "--stride", "5", "--limit", "1", "--output", tmp_path / "r.json"],
          None),
         ("export", [tmp_path / "not-a-head", tmp_path / "out"], "HEAD: "),
+        ("generate", ["--prompt", "hi", "--proposer", "eagle3", "--head", tmp_path / "no-head"],
+         f"--head: {tmp_path / 'no-head'}: no such head directory"),
+        ("benchmark", ["--methods", f"hf-greedy,eagle3+ngram:{tmp_path / 'no-head'}"],
+         f"--methods: {tmp_path / 'no-head'}: no such head directory"),
+        ("benchmark", ["--methods", "hf-greedy,flashspec-ngram", "--temperature", "0.7"], "run greedy only"),
+        ("benchmark", ["--rescore", tmp_path / "missing.json"], "--rescore: "),
     ]
     results = check_arguments([(script, argv) for script, argv, _ in cases])
     for (script, argv, expected), got in zip(cases, results, strict=True):
