@@ -3,8 +3,9 @@
 Methods are typed values: ``HFBaseline`` (a ``model.generate`` baseline) or ``DecoderMethod`` (a ``ProposerSpec``
 run by ``SpeculativeDecoder``), keyed by the name they are reported under. ``run_benchmark`` runs them interleaved
 per prompt (machine drift hits all alike), batch 1, after a warm-up, and reports per method: tokens/s, tau (tokens
-emitted per target forward, bonus included), speedup over HF greedy, and the fraction of outputs token-identical to
-HF greedy; ``divergence_report`` says whether each output that differs from HF greedy first differs at a near-tie.
+emitted per target forward after the prefill, bonus included), speedup over HF greedy, and the fraction of outputs
+token-identical to HF greedy; ``divergence_report`` says whether each output that differs from HF greedy first
+differs at a near-tie.
 scripts/benchmark.py is its command line.
 
 ``run_batch_benchmark`` measures throughput at several batch sizes N in one run instead: total tokens/s of HF
@@ -420,7 +421,9 @@ def summarize(stats: dict[str, MethodStats], methods: dict[str, Method], decoder
         tps = rate[name]
         summary[name] = {
             "tokens_per_s": tps,
-            "tau": s.tokens / max(s.forwards, 1) if name in hf else
+            # tokens per pass after the prefill, as the decoders count it: the prefill pass and its token are left
+            # out of HF's counts too (in HF's assisted modes that pass also verifies drafts)
+            "tau": (s.tokens - s.prompts) / max(s.forwards - s.prompts, 1) if name in hf else
             (statistics.mean(s.accept_lengths) if s.accept_lengths else 1.0),
             "speedup": tps / base,
             **({"speedup_vs_fastest_hf_greedy": tps / fastest} if len(greedy) > 1 else {}),
@@ -428,7 +431,8 @@ def summarize(stats: dict[str, MethodStats], methods: dict[str, Method], decoder
             "per_prompt_tokens_per_s": {"min": min(s.per_prompt_tps), "median": statistics.median(s.per_prompt_tps),
                                         "max": max(s.per_prompt_tps)},
             "tokens": s.tokens, "seconds": s.seconds, "draft_share": s.draft_seconds / s.seconds,
-            "tree_size": decoders[name].tree_size if name in decoders else None,
+            "tree_size": decoders[name].tree_size_report()["reason"] if name in decoders else None,
+            "tree_sizes_used": decoders[name].tree_size_report().get("sizes") if name in decoders else None,
             "depth_acceptance": [taken / tried for taken, tried in zip(s.depth_accepts, s.depth_attempts)],
             "acceptance_monitor": decoders[name].monitor.report() if name in decoders else None,
         }

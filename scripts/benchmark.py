@@ -3,8 +3,9 @@
     python scripts/benchmark.py --limit 10 --max-new-tokens 256 --output results.json
 
 Default prompts: the 80 MT-bench first turns. Methods run interleaved per prompt (machine drift hits all alike),
-batch 1, after a warm-up. Per method: tokens/s, tau (tokens emitted per target forward, bonus included), speedup
-over HF greedy, and the fraction of outputs token-identical to HF greedy. Run it with nothing else on the machine.
+batch 1, after a warm-up. Per method: tokens/s, tau (tokens emitted per target forward after the prefill, bonus
+included, for HF and ours alike), speedup over HF greedy, and the fraction of outputs token-identical to HF
+greedy. Run it with nothing else on the machine.
 
     python scripts/benchmark.py --batch-size 4,16 --limit 32 --methods hf-greedy,none,ngram --output batch.json
 

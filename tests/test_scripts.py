@@ -203,7 +203,7 @@ def test_benchmark_compares_with_hf_assisted_generation(tiny_dir, tmp_path):
     methods = json.loads(out.read_text())["methods"]
     assert set(methods) == {"hf-greedy", "hf-assisted", "draft@3"}
     assert methods["hf-assisted"]["identical"] == 1.0 and methods["draft@3"]["identical"] == 1.0
-    assert methods["draft@3"]["tree_size"] == 3
+    assert methods["draft@3"]["tree_size"].startswith("fixed at 3")
 
 
 def test_benchmark_script_rejects_a_misspelt_method_before_loading_anything(tmp_path):
