@@ -41,15 +41,25 @@ def usage_error(flag: str, message: str) -> SystemExit:
     return SystemExit(f"error: {flag}: {message}")
 
 
-def positive_int(text: str) -> int:
-    """argparse ``type=``: an integer >= 1 (counts and sizes: 0 or less would select or generate nothing)."""
+def _int_at_least(text: str, low: int, below: str) -> int:
+    """``text`` as an integer >= ``low``; ``below`` says what a smaller one is."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a whole number of 1 or more") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer; give 1 or more")
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a whole number of {low} or more") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"{value} is {below}; give {low} or more")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 1 (counts and sizes: 0 or less would select or generate nothing)."""
+    return _int_at_least(text, 1, "not a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 0 (an index)."""
+    return _int_at_least(text, 0, "negative")
 
 
 def check_head_directories(specs, flag: str = "--methods") -> None:
@@ -62,16 +72,6 @@ def check_head_directories(specs, flag: str = "--methods") -> None:
             raise usage_error(flag, f"{directory}: no such head directory (a trained head: a run's OUTPUT_DIR/head, "
                                     f"an export, or heads/shipped/NAME)")
 
-
-def non_negative_int(text: str) -> int:
-    """argparse ``type=``: an integer >= 0 (an index)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a whole number of 0 or more") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative; give 0 or more")
-    return value
 
 
 def positive_int_list(text: str) -> list[int]:
