@@ -311,3 +311,19 @@ def test_eagle3_loss_is_the_same_with_the_vocab_screen(monkeypatch, hard):
         results[screened] = objective(batch)
     torch.testing.assert_close(results[True][0], results[False][0])
     assert results[True][1]["acc"] == results[False][1]["acc"]
+
+
+def test_a_recorded_sample_keeps_the_last_token_no_pass_ran_on():
+    """A reply whose last token (here the end of the turn) came as a pass's bonus has no feature row of its own,
+    but the row before it holds the distribution that predicts it: the sample keeps the token, so that row is a
+    training target; the readers pad the missing row, which no loss reads."""
+    from training.masks import next_token_mask
+    from training.recorded import recorded_sample
+
+    prompt, reply = torch.tensor([5, 6, 7, 8]), [20, 21, 22, 2]
+    for rows in (7, 8):  # the last token came as a bonus, or a pass ran on it
+        sample = recorded_sample(prompt, reply, {"hidden": torch.randn(rows, 4)}, torch.float32)
+        assert sample["input_ids"].tolist() == [5, 6, 7, 8, 20, 21, 22, 2]
+        assert sample["hidden"].shape[0] == rows
+        predicting = next_token_mask(sample["assistant_mask"][None])[0].nonzero().flatten().tolist()
+        assert predicting == [3, 4, 5, 6]  # row 6 predicts the end of the turn

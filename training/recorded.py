@@ -11,8 +11,9 @@ inputs of EAGLE-3's fused layers. With ``DistillSettings.features_dir`` the batc
   shard-NNNNNNN.safetensors   one per chunk of conversations, named by the chunk's first conversation id, written
                    atomically. Per sample (``c{conversation}.t{turn}``, one per regenerated assistant turn):
                    ``input_ids`` int32 [T] (the prompt through the chat template, then the reply's token ids as
-                   generated, not re-tokenized), ``assistant_mask`` uint8 [T] (the reply), ``hidden`` [T, H] and,
-                   when layers are recorded, ``layer_hidden`` [T, k*H]; T stops at the last position a pass computed.
+                   generated, not re-tokenized), ``assistant_mask`` uint8 [T] (the reply), ``hidden`` [T', H] and,
+                   when layers are recorded, ``layer_hidden`` [T', k*H]; T' = T, or T - 1 where the last token came
+                   as a bonus and no pass ran on it (readers pad that row; no loss reads it).
 A chunk generated again after a kill rewrites its shard under the same name, so no sample is counted twice.
 
 ``features.mode=recorded features.dir=DIR`` trains from a store: its samples are the data (``data.val_samples``
@@ -61,11 +62,12 @@ def _key_order(key: str) -> tuple[int, int]:
 
 def recorded_sample(prompt: torch.Tensor, reply: list[int], features: dict[str, torch.Tensor],
                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """One sample of a store: prompt ids [P] + reply ids, cut to the positions ``features`` cover (``n``: all but
-    the reply's last token, whose pass never ran, or all of them), with the reply's mask and the features in
-    ``dtype``."""
+    """One sample of a store: prompt ids [P] + reply ids up to the token the last feature row predicts, with the
+    reply's mask and the features in ``dtype``. The features cover all positions but the reply's last token when
+    that token came as a pass's bonus (its own pass never ran); it stays in the ids, since the row before it holds
+    the distribution that predicts it (often the end of the turn), and the readers pad the missing row."""
     count = features["hidden"].shape[0]
-    ids = torch.cat([prompt.cpu(), torch.tensor(reply, dtype=torch.long)])[:count]
+    ids = torch.cat([prompt.cpu(), torch.tensor(reply, dtype=torch.long)])[:count + 1]
     mask = torch.zeros(ids.numel(), dtype=torch.uint8)
     mask[prompt.numel():] = 1
     sample = {"input_ids": ids.to(torch.int32), "assistant_mask": mask}
