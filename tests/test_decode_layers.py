@@ -25,13 +25,17 @@ def test_decode_linear_equals_linear(shape, with_bias):
     assert fast.is_contiguous()
 
 
+@pytest.mark.parametrize("dot", [False, True])
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 16, 17])
-def test_bf16_decode_linear_equals_linear_with_and_without_bf16_matrix_instructions(monkeypatch, native, rows):
-    # Which product runs depends on the CPU's bf16 instructions; both choices run here whatever this CPU has.
+def test_bf16_decode_linear_equals_linear_with_and_without_bf16_matrix_instructions(monkeypatch, dot, native, rows):
+    # Which product runs depends on the CPU's bf16 instructions; every choice runs here whatever this CPU has (the
+    # AVX512-BF16 dot kernel, where the CPU has it, comes first, so it is switched off for the others)
     import runtime.decode_layers as decode_layers
 
     monkeypatch.setattr(decode_layers, "native_bf16_matmul", lambda: native)
+    if not dot:
+        monkeypatch.setattr(decode_layers, "bf16_dot_linear", lambda: None)
     weight, bias = torch.randn(48, 64).bfloat16(), torch.randn(48).bfloat16()
     hidden = torch.randn(rows, 64).bfloat16()
     with torch.inference_mode():

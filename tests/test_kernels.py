@@ -216,3 +216,27 @@ def test_rms_norm_rows_equals_the_llama_norm_within_one_rounding(shape):
     # the same operations but the order of the sum of squares: nearly always the same bits, else one bf16 step
     assert (got == expected).float().mean() > 0.98
     torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=0)
+
+
+def test_a_build_lock_left_by_a_killed_build_falls_back_instead_of_waiting(monkeypatch, tmp_path):
+    """torch's loader waits for good while a build lock exists; a build killed outright leaves one behind. An old
+    lock makes the kernel fall back to PyTorch's ops with a warning naming the file; a fresh one (a build running
+    now) is waited on as before."""
+    import os
+    import time
+
+    import torch.utils.cpp_extension
+
+    import runtime.kernels as kernels
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    assert kernels._stale_build_lock("headstart_rms_norm") is None  # a build may be running
+    old = time.time() - kernels.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    assert kernels._stale_build_lock("headstart_rms_norm") == lock
+    if torch.backends.cpu.get_cpu_capability() in kernels.KERNEL_CPU_CAPABILITIES:
+        with pytest.warns(UserWarning, match="left from a build that was killed"):
+            assert kernels._compiled.__wrapped__("rms_norm.cpp", "PyTorch's ops run") is None
+    assert lock.exists()  # not ours to delete

@@ -16,6 +16,7 @@ fp32 SDPA over the same values.
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 from pathlib import Path
 from collections.abc import Callable
@@ -33,15 +34,37 @@ def _compiled(source: str, fallback: str, isa_flags: tuple[str, ...] = ("-mavx2"
     the CPU has them beyond AVX2)."""
     if torch.backends.cpu.get_cpu_capability() not in KERNEL_CPU_CAPABILITIES:
         return None  # the kernels are written with AVX2/FMA intrinsics
+    name = f"headstart_{Path(source).stem}"
+    stale = _stale_build_lock(name)
+    if stale is not None:
+        warnings.warn(f"the kernel {source} is not built: {stale} is left from a build that was killed, and the "
+                      f"build would wait on it for good; delete it to build the kernel again. {fallback}",
+                      stacklevel=3)
+        return None
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name=f"headstart_{Path(source).stem}", sources=[str(SOURCE_DIR / source)],
+        return load(name=name, sources=[str(SOURCE_DIR / source)],
                     # without OpenMP, at::parallel_for runs on one thread
                     extra_cflags=["-O3", *isa_flags, "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # no compiler or ninja: fall back rather than fail decoding
         warnings.warn(f"the kernel {source} could not be built ({type(error).__name__}: {error}); {fallback}",
                       stacklevel=3)
+        return None
+
+
+STALE_LOCK_SECONDS = 600  # a first build takes well under this; an older lock outlived the build that made it
+
+
+def _stale_build_lock(name: str) -> Path | None:
+    """A build lock of extension ``name`` older than ``STALE_LOCK_SECONDS``, or None. torch's loader waits without a
+    timeout while the lock exists, and a build killed outright (not interrupted) leaves it behind."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        return lock if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS else None
+    except Exception:  # a private helper of torch's: where it changed, the loader decides as before
         return None
 
 
@@ -79,6 +102,10 @@ def bf16_dot_linear() -> Callable[..., torch.Tensor] | None:
     fp32 sums of exact products, the bias added in fp32, one rounding: the reference it is tested against is
     ``(x.float() @ weight.float().T + bias.float()).to(torch.bfloat16)``, equal up to summation order.
     """
+    # the CPU's AVX512-BF16, and torch's own AVX-512 capability (AVX512F/BW/VL/DQ, which the kernel's loads need):
+    # a user who pins torch to AVX2 (ATEN_CPU_CAPABILITY=avx2) gets no AVX-512 code from here either
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return None
     if not getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
         return None
     module = _compiled("bf16_dot_rows.cpp", "bf16 rows use the AVX2 row kernel or PyTorch's product",
