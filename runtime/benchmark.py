@@ -46,7 +46,7 @@ def machine_description(device: torch.device) -> dict:
     """What a results file records about the machine: CPU model, its family/model/stepping, clock and cache (the
     model name alone does not tell two generations apart), the flags that choose kernels, torch's CPU capability,
     the cores (and those this process may use), and the GPU when the run used one."""
-    from runtime.cost_model import cpu_info
+    from runtime.cost_model import cpu_info, usable_cores
     from runtime.kernels import native_bf16_matmul
 
     info = cpu_info()  # empty off Linux: the platform string is what there is
@@ -56,7 +56,7 @@ def machine_description(device: torch.device) -> dict:
                             if name in info},
                  "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
                  "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
-                 "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                 "cores_available": usable_cores(),
                  "native_bf16_matmul": native_bf16_matmul()}
     if device.type == "cuda":
         described["gpu"] = torch.cuda.get_device_name(device)
@@ -419,6 +419,7 @@ def summarize(stats: dict[str, MethodStats], methods: dict[str, Method], decoder
     summary = {}
     for name, s in stats.items():
         tps = rate[name]
+        sizing = decoders[name].tree_size_report() if name in decoders else {}
         summary[name] = {
             "tokens_per_s": tps,
             # tokens per pass after the prefill, as the decoders count it: the prefill pass and its token are left
@@ -431,8 +432,7 @@ def summarize(stats: dict[str, MethodStats], methods: dict[str, Method], decoder
             "per_prompt_tokens_per_s": {"min": min(s.per_prompt_tps), "median": statistics.median(s.per_prompt_tps),
                                         "max": max(s.per_prompt_tps)},
             "tokens": s.tokens, "seconds": s.seconds, "draft_share": s.draft_seconds / s.seconds,
-            "tree_size": decoders[name].tree_size_report()["reason"] if name in decoders else None,
-            "tree_sizes_used": decoders[name].tree_size_report().get("sizes") if name in decoders else None,
+            "tree_size": sizing.get("reason"), "tree_sizes_used": sizing.get("sizes"),
             "depth_acceptance": [taken / tried for taken, tried in zip(s.depth_accepts, s.depth_attempts)],
             "acceptance_monitor": decoders[name].monitor.report() if name in decoders else None,
         }

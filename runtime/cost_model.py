@@ -18,6 +18,7 @@ import time
 import torch
 
 from runtime.assets import cache_dir
+from runtime.proposers.base import sizes_own_tree
 from runtime.target import Target
 from runtime.tree import Tree, verification_mask
 from runtime.tree_sizing import TreeSizer
@@ -54,14 +55,18 @@ def cpu_info() -> dict[str, str]:
     return found
 
 
+def usable_cores() -> int | None:
+    """The cores this process may run on (its affinity), else the machine's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def machine_key(device: torch.device) -> str:
     """What a cached cost curve was measured on: the CPU (model, family/model/stepping, cores this process may use,
     threads) and the GPU when the device is one."""
     info = cpu_info()
     cpu = "/".join(info.get(name, "") for name in ("cpu", "family", "model", "stepping")) or platform.machine()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    return f"{cpu}-{platform.machine()}-{cores}-{torch.get_num_threads()}-{gpu}"
+    return f"{cpu}-{platform.machine()}-{usable_cores()}-{torch.get_num_threads()}-{gpu}"
 
 
 def _curve_path(target: Target, batch_size: int = 1):
@@ -189,7 +194,7 @@ def adaptive_sizers(target: Target, drafters: dict) -> dict[str, TreeSizer]:
     that drafts and does not size its own trees: their acceptance by depth differs, so each learns its own."""
     sizers = {}
     for name, drafter in drafters.items():
-        if getattr(drafter, "own_tree_size", False):
+        if sizes_own_tree(drafter):
             continue
         sizer = adaptive_sizer(target, drafter)
         if sizer is not None:

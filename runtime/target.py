@@ -167,17 +167,20 @@ class Target:
         rescales with the longest position of each pass (dynamic NTK, LongRoPE) its original context, past which
         a tree pass's frequencies would depend on its deepest draft and the output would no longer be the
         target's (``context_note`` says so)."""
-        limit = int(getattr(self.config, "max_position_embeddings", 1 << 20))
         original = rescaling_rope_context(self.config)
-        return limit if original is None else min(limit, original)
+        return self._model_context if original is None else min(self._model_context, original)
+
+    @property
+    def _model_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 1 << 20))
 
     @property
     def context_note(self) -> str:
         """Why ``max_positions`` is below the model's context, or ''."""
-        original = rescaling_rope_context(self.config)
-        if original is None or original >= int(getattr(self.config, "max_position_embeddings", 1 << 20)):
+        limit = self.max_positions
+        if limit >= self._model_context:
             return ""
-        return (f" (its rotary embedding rescales past {original} positions with the longest position of each "
+        return (f" (its rotary embedding rescales past {limit} positions with the longest position of each "
                 f"pass, so a verification pass would change the frequencies its drafts see)")
 
     @property

@@ -116,8 +116,7 @@ class Tree:
         ``candidates`` [D, K]: the ranked tokens for each depth. A node for choice c at depth len(c) carries
         ``candidates[len(c) - 1, c[-1]]``. Missing intermediate choices are added.
         """
-        all_choices = {tuple(c[:i]) for c in choices for i in range(1, len(c) + 1)}
-        ordered = sorted(all_choices, key=lambda c: (len(c), c))
+        ordered = sorted(closed_choices(choices), key=lambda c: (len(c), c))
         position = {(): 0}
         tokens, parents = [root], [-1]
         for choice in ordered:
@@ -225,6 +224,11 @@ def select_frontier(parent_scores: torch.Tensor, child_logprobs: torch.Tensor, t
     scores = (parent_scores[:, None] + local_scores).flatten()
     best_scores, best = scores.topk(min(top_k, scores.numel()))
     return best // k, local_tokens.flatten()[best], best_scores
+
+
+def closed_choices(choices: Sequence[Sequence[int]]) -> set[tuple[int, ...]]:
+    """Static-tree choices with every prefix added: the tree's non-root nodes (``Tree.from_choices``)."""
+    return {tuple(c[:i]) for c in choices for i in range(1, len(c) + 1)}
 
 
 def keep_best_nodes(scores: torch.Tensor, parents: torch.Tensor, keep: int) -> torch.Tensor:

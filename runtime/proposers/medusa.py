@@ -7,7 +7,7 @@ import heapq
 import torch
 
 from runtime.proposers.base import ProposeInput
-from runtime.tree import Tree
+from runtime.tree import Tree, closed_choices
 
 
 def calibrated_choices(head_accuracy: list[float], tree_size: int, top_k: int = 10,
@@ -54,8 +54,7 @@ class MedusaProposer:
         self.choices = [tuple(c) for c in choices] if choices is not None else None
         if self.choices is not None:
             # the choices fix the tree (their prefixes included): adaptive sizing would ask for fewer nodes
-            nodes = 1 + len({c[:i] for c in self.choices for i in range(1, len(c) + 1)})
-            self.tree_size = max(tree_size or 0, nodes)
+            self.tree_size = max(tree_size or 0, 1 + len(closed_choices(self.choices)))
             self.own_tree_size = True
         self.head_accuracy = head_accuracy or [0.6 * 0.8 ** i for i in range(heads.num_heads)]
         self.expected_acceptance = self.head_accuracy[0]
@@ -79,7 +78,7 @@ class MedusaProposer:
         if tree_size <= 1:  # the decoder verifies the root alone (plain decoding): nothing to draft
             return [Tree.chain(int(step.history[-1]), [], device=step.history.device) for step in steps]
         choices = self.choices or calibrated_choices(self.head_accuracy, tree_size, self.top_k)
-        nodes = 1 + len({c[:i] for c in choices for i in range(1, len(c) + 1)})
+        nodes = 1 + len(closed_choices(choices))
         if nodes > tree_size:
             raise ValueError(f"{len(choices)} Medusa choices need a tree of at least {nodes} nodes, got tree_size="
                              f"{tree_size}; pass tree_size={nodes}")
