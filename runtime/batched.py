@@ -54,7 +54,8 @@ from runtime.decoder import (GenerationResult, Stops, checked_backend, checked_d
                              pick_token, prompt_tensor)
 from runtime.kv_cache import KVCache
 from runtime.monitor import monitor_for
-from runtime.proposers.base import NoProposer, Proposer, ProposeInput, extra_rows, propose_rows, sizes_own_tree
+from runtime.proposers.base import (NoProposer, Proposer, ProposeInput, extra_rows, observe, propose_rows,
+                                    sizes_own_tree)
 from runtime.sampling import SamplingParams, new_generator
 from runtime.target import Target
 from runtime.tree import Draft, Tree
@@ -414,6 +415,8 @@ class BatchedDecoder:
         cache.compact(keep.to(device), torch.tensor([len(path) for path, _ in paths], device=device))
         for b, (row, tree, (path, bonus)) in enumerate(zip(rows, trees, paths)):
             row.extra_logits = out.logits[b, tree.size:drafts[b].rows] if drafts[b].extra_count else None
+            if self.drafting:
+                observe(proposer, row.state, row.history[:row.length], tree, out.logits[b, :tree.size])
             result = row.result
             result.target_forwards += 1
             result.tree_sizes.append(tree.size)

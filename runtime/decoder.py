@@ -13,7 +13,7 @@ from runtime.acceptance import greedy_accept, rejection_accept, typical_accept
 from runtime.attention import BACKENDS, default_backend
 from runtime.cost_model import adaptive_sizers, batch_tree_size, synchronized_seconds
 from runtime.monitor import monitor_for
-from runtime.proposers.base import (NoProposer, Proposer, ProposeInput, draft_source, drafters, extra_rows,
+from runtime.proposers.base import (NoProposer, Proposer, ProposeInput, draft_source, drafters, extra_rows, observe,
                                     sizes_own_tree)
 from runtime.sampling import SamplingParams, new_generator, processed_probs, sample
 from runtime.target import Target
@@ -268,6 +268,7 @@ class SpeculativeDecoder:
                 result.draft_seconds += time.perf_counter() - drafting
                 path, bonus, out = self._verify(draft, cache, sampling, generator, hidden_layers)
                 extra_logits = out.logits[0, tree.size:] if draft.extra_count else None
+                observe(proposer, state, step.history, tree, out.logits[0, :tree.size])
                 if sizer is not None and not draft.extra_count:
                     # A pass with extra rows (lookahead's window behind lookup) is sized by its proposer: its
                     # acceptance and time would teach the sizer about another drafter than the one it sizes.

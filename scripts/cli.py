@@ -127,17 +127,18 @@ def read_prompts_or_exit(path: str | None, limit: int | None = None, flag: str =
 
 
 def parse_lookahead(text: str, *, head: str | None = None, flag: str = "--proposer") -> ProposerSpec:
-    """``lookahead``, ``lookahead+ngram``, either with ``:W,N,G`` (e.g. ``lookahead+ngram:8,3,8``; without it the
-    sizes come from the target's cost curve) as a ProposerSpec."""
+    """``lookahead``, ``lookahead+ngram``, either with ``:W,N,G`` or ``:W,N,G,R`` (e.g. ``lookahead+ngram:8,3,8`` or
+    ``lookahead:2,3,2,6``; R, the recycled nodes, is 0 when left out; without sizes they come from the target's cost
+    curve) as a ProposerSpec."""
     name, colon, given = text.partition(":")
     if head is not None:
         raise usage_error(flag, f"{name} drafts without a head; drop --head")
     settings = None
     if colon:
         parts = given.split(",")
-        if len(parts) != 3 or not all(part.strip().isdigit() for part in parts):
-            raise usage_error(flag, f"{text!r}: give lookahead's sizes as {name}:W,N,G (window, n-gram size, "
-                                    f"candidates; integers), e.g. {name}:8,3,8")
+        if len(parts) not in (3, 4) or not all(part.strip().isdigit() for part in parts):
+            raise usage_error(flag, f"{text!r}: give lookahead's sizes as {name}:W,N,G or {name}:W,N,G,R (window, "
+                                    f"n-gram size, candidates, recycled nodes; integers), e.g. {name}:8,3,8")
         try:
             settings = LookaheadSettings(*(int(part) for part in parts))
         except ValueError as error:

@@ -52,11 +52,12 @@ def test_every_proposer_matches_hf_greedy(arch):
 
 
 def lookahead_proposers():
-    """Lookahead, alone and with prompt lookup; windows of one column and of several, n-grams of 3 and 4 tokens."""
+    """Lookahead, alone and with prompt lookup; windows of one column and of several, n-grams of 3 and 4 tokens,
+    without recycled successors and with them."""
     return {
         "lookahead": LookaheadProposer(LookaheadSettings(4, 3, 4)),
-        "lookahead-narrow": LookaheadProposer(LookaheadSettings(1, 4, 2)),
-        "lookahead+ngram": LookupFirstProposer(LookaheadProposer(LookaheadSettings(3, 4, 3)), NgramProposer()),
+        "lookahead-narrow-recycled": LookaheadProposer(LookaheadSettings(1, 4, 2, 3)),
+        "lookahead+ngram": LookupFirstProposer(LookaheadProposer(LookaheadSettings(3, 4, 3, 2)), NgramProposer()),
     }
 
 

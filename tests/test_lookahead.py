@@ -10,13 +10,15 @@ import pytest
 import torch
 
 from runtime.decoder import SpeculativeDecoder
+from runtime.proposers.base import ProposeInput
 from runtime.proposers import ProposerSpec, build_proposer
-from runtime.proposers.lookahead import (LookaheadProposer, NgramPool, choose_settings,
-                                         jacobi_update, pass_rows, window_mask, window_ngrams, window_offsets,
-                                         window_tokens)
+from runtime.proposers.lookahead import (LookaheadProposer, NgramPool, SuccessorTable, choose_settings,
+                                         expected_tokens, jacobi_update, pass_rows, record_successors, window_mask,
+                                         window_ngrams, window_offsets, window_tokens)
 from runtime.proposers.lookup_first import LookupFirstProposer
 from runtime.proposers.ngram import NgramProposer
 from runtime.proposers.spec import LookaheadSettings
+from runtime.sampling import SamplingParams
 from runtime.target import target_from_model
 from runtime.tree import Draft, Tree, draft_row_mask, verification_mask
 from tests.conftest import tiny_model
@@ -78,6 +80,64 @@ def test_pool_keeps_the_most_recent_continuations_per_first_token():
     assert len(pool) == 3
     with pytest.raises(ValueError, match="capacity"):
         NgramPool(0)
+
+
+def test_successor_table_prefers_the_pair_and_keeps_the_latest():
+    table = SuccessorTable()
+    table.record([1, 5], [5, 6], [[6, 7], [8, 9]])  # after 1 then 5: 6 or 7; after 5 then 6: 8 or 9
+    assert table.successors(1, 5) == (6, 7)
+    assert table.successors(2, 5) == (6, 7)  # no entry for (2, 5): what followed 5 alone
+    assert table.successors(0, 4) == ()
+    table.record([3], [5], [[4, 2]])  # 5 again, after 3: the latest wins for 5 alone, the pair (1, 5) stays
+    assert table.successors(2, 5) == (4, 2) and table.successors(1, 5) == (6, 7) and table.successors(3, 5) == (4, 2)
+    assert len(table) == 2
+
+
+def test_recycled_paths_go_best_first_with_prefixes_first():
+    table = SuccessorTable()
+    table.record([0, 1, 2, 3], [1, 2, 3, 4], [[2, 9], [3, 8], [4, 7], [5, 6]])  # a chain 1 2 3 4 5 of first picks
+    # RANK_PRIOR: first choices 0.5, second 0.12: 2 (0.5), 2 3 (0.25), 2 3 4 (0.125), 9 (0.12), 2 3 4 5 (0.0625) ...
+    assert table.paths(0, 1, 5) == [(2,), (2, 3), (2, 3, 4), (9,), (2, 3, 4, 5)]
+    assert table.paths(0, 1, 0) == [] and table.paths(0, 42, 5) == []
+    tree = Tree.from_sequences(1, table.paths(0, 1, 5), max_nodes=6)
+    assert tree.tokens.tolist() == [1, 2, 3, 4, 9, 5] and tree.parents.tolist() == [-1, 0, 1, 2, 0, 3]
+
+
+def test_successors_are_recorded_at_every_node_after_its_parent():
+    tree = Tree(torch.tensor([10, 11, 12, 13]), torch.tensor([-1, 0, 0, 1]))
+    logits = torch.full((4, VOCAB), -1.0)
+    for node, (best, second) in enumerate([(20, 21), (22, 23), (24, 25), (26, 27)]):
+        logits[node, best], logits[node, second] = 2.0, 1.0
+    table = SuccessorTable()
+    record_successors(table, torch.tensor([3, 4, 10]), tree, logits)  # the root 10 came after 4
+    assert table.successors(4, 10)[:2] == (20, 21) and table.successors(10, 11)[:2] == (22, 23)
+    assert table.successors(10, 12)[:2] == (24, 25) and table.successors(11, 13)[:2] == (26, 27)
+
+
+def test_recycled_nodes_fill_what_the_pool_leaves_and_stay_exact():
+    """With R > 0 the tree holds recycled successors where the pool has nothing, drafts get accepted on
+    repetitive text, and the output is the target's, alone and behind lookup; with R = 0 no table is kept."""
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    prompt = [9, 4, 9, 4, 9, 4, 9, 4, 9, 4, 9, 4]
+    reference = hf_greedy(prompt, 48)
+    proposer = LookaheadProposer(LookaheadSettings(1, 3, 1, 4))
+    assert proposer.tree_size == 7 and proposer.max_depth is None
+    state = proposer.start(torch.tensor(prompt), 80)
+    tree = Tree(torch.tensor([4, 9]), torch.tensor([-1, 0]))
+    logits = torch.zeros(2, VOCAB)
+    logits[0, 9], logits[1, 4] = 1.0, 1.0
+    proposer.observe(state, torch.tensor(prompt), tree, logits)
+    step = ProposeInput(torch.tensor(prompt), None, (), proposer.tree_size, SamplingParams(), None)
+    drafted = proposer.propose(state, step).tree
+    assert drafted.tokens[:3].tolist() == [4, 9, 4] and drafted.size == 7  # the pool is empty: all recycled
+    result = SpeculativeDecoder(target, proposer).generate(prompt, 48)
+    assert result.tokens == reference and result.tau > 1.0
+    both = LookupFirstProposer(LookaheadProposer(LookaheadSettings(1, 3, 1, 4)), NgramProposer())
+    assert SpeculativeDecoder(target, both).generate(prompt, 48).tokens == reference
+    plain = LookaheadProposer(LookaheadSettings(1, 3, 1))
+    state = plain.start(torch.tensor(prompt), 80)
+    plain.observe(state, torch.tensor(prompt), tree, logits)
+    assert len(state.successors) == 0
 
 
 def test_candidate_trie_shares_prefixes_and_keeps_the_size():
@@ -160,12 +220,15 @@ def test_settings_from_cost_curves():
     small, _ = choose_settings(steep)
     assert pass_rows(small) <= 16 and pass_rows(small) < pass_rows(settings)
     assert settings.candidates == settings.window  # G = W, as the reference does
+    assert settings.recycled > 0  # nearly free rows: recycled nodes too
+    # recycled nodes add tokens where no n-gram's first token is right, less the more often one is
+    assert expected_tokens(LookaheadSettings(2, 3, 2, 7)) > expected_tokens(LookaheadSettings(2, 3, 2))
 
 
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="ngram must be >= 3"):
         LookaheadSettings(4, 2, 4)
-    with pytest.raises(ValueError, match="window must be a positive integer"):
+    with pytest.raises(ValueError, match="window must be an integer >= 1"):
         LookaheadSettings(0, 3, 4)
     with pytest.raises(ValueError, match="lookahead's sizes"):
         ProposerSpec("ngram", lookahead=LookaheadSettings(4, 3, 4))
@@ -269,6 +332,8 @@ def test_command_line_spellings():
         ("proposer", "lookahead+ngram", spec(lookup_first=True)),
         ("proposer", "lookahead+ngram:8,3,6", spec(lookup_first=True, lookahead=(8, 3, 6))),
         ("proposer", "lookahead:8,3", "give lookahead's sizes as lookahead:W,N,G"),
+        ("proposer", "lookahead:2,3,2,6", spec(lookahead=(2, 3, 2, 6))),
+        ("proposer", "lookahead:2,3,2,6,1", "lookahead:W,N,G,R"),
         ("proposer", "lookahead:8,2,8", "ngram must be >= 3"),
         ("methods", "hf-greedy,lookahead:4,3,4@9,lookahead+ngram,ngram",
          {"lookahead:4,3,4@9": {**spec(lookahead=(4, 3, 4)), "tree_size": 9},

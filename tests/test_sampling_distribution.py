@@ -78,9 +78,10 @@ PROPOSERS = {
     "draft-tree": lambda target: draft(target, "tree"),
     "draft-chain-sampled": lambda target: draft(target, "chain"),
     "random": lambda target: RandomProposer(VOCAB, seed=3),
-    # the window's guesses are the target's argmax even when sampling; its trie goes through the exact acceptance
+    # the window's guesses are the target's argmax even when sampling, the recycled successors its top-k: deterministic
+    # functions of the history and the earlier passes' logits; the trie goes through the exact acceptance
     "lookahead": lambda target: LookaheadProposer(LookaheadSettings(3, 3, 3)),
-    "lookahead+ngram": lambda target: LookupFirstProposer(LookaheadProposer(LookaheadSettings(2, 3, 2)),
+    "lookahead+ngram": lambda target: LookupFirstProposer(LookaheadProposer(LookaheadSettings(2, 3, 2, 3)),
                                                      NgramProposer(max_ngram=2)),
 }
 

@@ -7,6 +7,10 @@ A proposal is a ``Tree``, or a ``Draft``: a tree plus extra rows the verificatio
 nodes, whose logits come back in the next ``ProposeInput`` (lookahead decoding's Jacobi window rides in the pass
 this way). A proposer that asks for extra rows says how many it may ask for at most (``extra_rows``), so that
 buffers are sized for them; other proposers need not define it.
+
+A proposer that learns from the target's outputs at the tree's own nodes (lookahead's recycled successors) defines
+``observe(state, history, tree, logits)``; the decoder calls it after every verification pass, before the next
+proposal. Other proposers need not define it.
 """
 
 from __future__ import annotations
@@ -69,6 +73,14 @@ def propose_rows(proposer, states: list[Any], steps: list[ProposeInput]) -> list
 def extra_rows(proposer) -> int:
     """The most extra rows ``proposer`` asks a verification pass for (its ``extra_rows``; 0 when it has none)."""
     return int(getattr(proposer, "extra_rows", 0))
+
+
+def observe(proposer, state: Any, history: torch.Tensor, tree: Tree, logits: torch.Tensor) -> None:
+    """Hand ``proposer`` (its ``observe``, where it has one) the target's logits [N, V] at the nodes of ``tree``,
+    just verified; history [L] is the history the tree was drafted from (its root is history[-1])."""
+    learn = getattr(proposer, "observe", None)
+    if learn is not None:
+        learn(state, history, tree, logits)
 
 
 def drafters(proposer) -> dict[str, Any]:

@@ -22,10 +22,20 @@ its tree is verified at the size adaptive sizing learned for lookup, without the
 trie and window. The earlier form, lookup's continuations joined into this proposer's trie, capped them at the
 trie's size; the two forms measured the same speed (scripts/results/README.md, "Lookahead decoding"), and this one
 sizes each drafter's trees by its own rule.
+
+Recycled successors (Luo et al., 2024, "Turning Trash into Treasure"). A verification pass computes the target's
+logits at every tree node, and all but the accepted path's are thrown away. Their top-k are the target's guesses of
+what follows each node's token; the ``SuccessorTable`` keeps the latest for each token and each pair of tokens. The
+tree's nodes that the pool's n-grams leave free (R of them at least, ``LookaheadSettings.recycled``) are filled
+from it best-first: the root's successors, their successors, and so on. The table is a deterministic function of
+the history and the earlier passes' logits, like the pool, so the exact acceptance keeps the output the target's.
+On a CPU, where each extra row costs, recycled nodes are right far more often than the window's n-grams for the
+same rows (scripts/results/README.md, "Recycled successors"), and the cost curve gives them most of the pass.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -45,6 +55,14 @@ CONTINUE = 0.5
 NGRAM_SIZES = (3, 4, 5)
 PRIOR_ACCEPTANCE = 0.3
 MAX_WINDOW = 16
+# Recycled successors: the relative chance that the r-th ranked successor is the token that follows. Only the order of
+# products of these matters (best-first search), and it is what makes a chain of first choices go deeper before a
+# second choice is tried. The prior for choosing R: where no n-gram is right, R recycled nodes add
+# RECYCLE_SCALE log2(1 + R) accepted tokens a pass. Fitted like HIT_SCALE, with scripts/benchmark.py's `lookahead`
+# (tokens per pass 1.76 at W = 1, N = 3, G = 1, R = 7 on every 8th MT-bench first turn, bf16).
+RANK_PRIOR = (0.5, 0.12, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01)
+RECYCLE_SCALE = 0.23
+RECYCLED_SIZES = (0, 1, 2, 3, 5, 7, 11, 15)
 
 
 def window_offsets(window: int, ngram: int) -> torch.Tensor:
@@ -116,11 +134,69 @@ class NgramPool:
         return sum(len(known) for known in self.grams.values())
 
 
-def expected_tokens(settings: LookaheadSettings, scale: float = HIT_SCALE, keep: float = CONTINUE) -> float:
+class SuccessorTable:
+    """The target's top-k next tokens after a token, and after a pair of tokens, as the latest verification pass
+    computed them (at a tree node holding that token, after its parent's token)."""
+
+    def __init__(self):
+        self.after_token: dict[int, tuple[int, ...]] = {}
+        self.after_pair: dict[tuple[int, int], tuple[int, ...]] = {}
+
+    def record(self, before: list[int], tokens: list[int], successors: list[list[int]]) -> None:
+        """Each node's token, the token before it and its top-k successors (best first), in order: a later node
+        overwrites an earlier one's entry."""
+        for previous, token, top in zip(before, tokens, successors):
+            top = tuple(top)
+            self.after_token[token] = top
+            self.after_pair[(previous, token)] = top
+
+    def successors(self, previous: int, token: int) -> tuple[int, ...]:
+        """What followed ``token`` after ``previous`` when last seen, else after ``token`` alone; () if never."""
+        return self.after_pair.get((previous, token)) or self.after_token.get(token, ())
+
+    def paths(self, previous: int, root: int, count: int) -> list[tuple[int, ...]]:
+        """Up to ``count`` continuations of ``root`` (``previous`` before it), best first: each scores the product of
+        RANK_PRIOR over its tokens' ranks, and each path's prefix comes before it, so a trie of the first n paths has
+        n + 1 nodes."""
+        found: list[tuple[int, ...]] = []
+        frontier: list[tuple[float, int, tuple[int, ...], int, int]] = []  # (-score, order, path, previous, token)
+        order = 0
+
+        def expand(path: tuple[int, ...], before: int, token: int, score: float) -> None:
+            nonlocal order
+            for rank, following in enumerate(self.successors(before, token)[:len(RANK_PRIOR)]):
+                heapq.heappush(frontier, (-score * RANK_PRIOR[rank], order, path + (following,), token, following))
+                order += 1
+
+        expand((), previous, root, 1.0)
+        while frontier and len(found) < count:
+            negative, _, path, before, token = heapq.heappop(frontier)
+            found.append(path)
+            expand(path, before, token, -negative)
+        return found
+
+    def __len__(self) -> int:
+        return len(self.after_token)
+
+
+def record_successors(table: SuccessorTable, history: torch.Tensor, tree: Tree, logits: torch.Tensor) -> None:
+    """Record the successors the target computed at ``tree``'s nodes (logits [N, V]; the root is history[-1])."""
+    top = logits.topk(min(len(RANK_PRIOR), logits.shape[-1]), dim=-1).indices.tolist()
+    tokens = tree.tokens.tolist()
+    parents = tree.parents.tolist()
+    first = int(history[-2]) if history.numel() > 1 else -1
+    before = [first] + [tokens[parent] for parent in parents[1:]]
+    table.record(before, tokens, top)
+
+
+def expected_tokens(settings: LookaheadSettings, scale: float = HIT_SCALE, keep: float = CONTINUE,
+                    recycle: float = RECYCLE_SCALE) -> float:
     """Tokens a pass emits under the prior (bonus included): a candidate's first token right with probability
-    ``scale`` log2(1 + G), each further token of its n-gram with probability ``keep``."""
+    ``scale`` log2(1 + G), each further token of its n-gram with probability ``keep``; where no n-gram's first token
+    is right, R recycled nodes add ``recycle`` log2(1 + R) tokens."""
     first = min(1.0, scale * math.log2(1 + settings.candidates))
-    return 1 + first * sum(keep ** k for k in range(settings.ngram - 1))
+    recycled = recycle * math.log2(1 + settings.recycled)
+    return 1 + first * sum(keep ** k for k in range(settings.ngram - 1)) + (1 - first) * recycled
 
 
 def pass_rows(settings: LookaheadSettings) -> int:
@@ -129,11 +205,12 @@ def pass_rows(settings: LookaheadSettings) -> int:
 
 
 def choose_settings(curve: dict[int, float]) -> tuple[LookaheadSettings, str]:
-    """(settings, why): the W, N and G (G = W, as the reference does) with the most expected tokens per unit of pass
+    """(settings, why): the W, N, G (G = W, as the reference does) and R with the most expected tokens per unit of pass
     cost on ``curve`` ({rows: cost relative to one row}, ``runtime.cost_model.cost_curve``), among passes no larger
     than the largest measured one."""
     largest = max(curve)
-    options = [LookaheadSettings(w, n, w) for n in NGRAM_SIZES for w in range(1, MAX_WINDOW + 1)]
+    options = [LookaheadSettings(w, n, w, r) for n in NGRAM_SIZES for w in range(1, MAX_WINDOW + 1)
+               for r in RECYCLED_SIZES]
     options = [s for s in options if pass_rows(s) <= largest] or [LookaheadSettings(1, 3, 1)]
     best = max(options, key=lambda s: expected_tokens(s) / interpolated_cost(curve, pass_rows(s)))
     value = expected_tokens(best) / interpolated_cost(curve, pass_rows(best))
@@ -149,6 +226,7 @@ class LookaheadState:
 
     levels: torch.Tensor  # [N - 1, W] long
     pool: NgramPool
+    successors: SuccessorTable
     offsets: torch.Tensor  # [E] long
     mask: torch.Tensor  # [E, E] bool
     root: int | None = None
@@ -175,7 +253,8 @@ class LookaheadProposer:
         self.extra_rows = settings.window_rows
         self.tree_size = settings.tree_size
         self.tree_size_reason = reason or f"{settings}"
-        self.max_depth = settings.ngram - 1
+        # recycled paths go as deep as the tree allows
+        self.max_depth = settings.ngram - 1 if not settings.recycled else None
         # what sizing by the cost model assumes where the proposer's own size does not apply (a batch of rows)
         self.expected_acceptance = PRIOR_ACCEPTANCE
 
@@ -196,7 +275,7 @@ class LookaheadProposer:
         generator = torch.Generator().manual_seed(0)
         picks = torch.randint(prompt.numel(), (s.ngram - 1, s.window), generator=generator)
         device = prompt.device
-        return LookaheadState(prompt[picks.to(device)], NgramPool(s.candidates),
+        return LookaheadState(prompt[picks.to(device)], NgramPool(s.candidates), SuccessorTable(),
                               window_offsets(s.window, s.ngram).to(device), window_mask(s.window, s.ngram).to(device))
 
     def propose(self, state: LookaheadState, step: ProposeInput) -> Draft:
@@ -209,6 +288,14 @@ class LookaheadProposer:
             state.updates += 1
         root = int(step.history[-1])
         sequences = state.pool.candidates(root)[: s.candidates]
+        if s.recycled:  # the n-grams' nodes first; recycled paths fill the tree's other nodes
+            previous = int(step.history[-2]) if step.history.numel() > 1 else -1
+            sequences = sequences + state.successors.paths(previous, root, step.tree_size - 1)
         tree = Tree.from_sequences(root, sequences, step.tree_size, device=step.history.device)
         state.root = root
         return Draft(tree, window_tokens(state.levels), state.offsets, state.mask)
+
+    def observe(self, state: LookaheadState, history: torch.Tensor, tree: Tree, logits: torch.Tensor) -> None:
+        """Recycle the successors the target computed at the verified tree's nodes (``runtime.proposers.base``)."""
+        if self.settings.recycled:
+            record_successors(state.successors, history, tree, logits)

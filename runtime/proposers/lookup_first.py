@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from runtime.proposers.base import Proposer, ProposeInput, extra_rows, propose_rows, sizes_own_tree
+from runtime.proposers.base import Proposer, ProposeInput, extra_rows, observe, propose_rows, sizes_own_tree
 from runtime.proposers.ngram import NgramProposer
 from runtime.tree import Draft, Tree
 
@@ -92,6 +92,10 @@ class LookupFirstProposer:
             for i, tree in zip(waiting, drafted):
                 trees[i] = tree
         return trees
+
+    def observe(self, state: LookupFirstState, history: torch.Tensor, tree: Tree, logits: torch.Tensor) -> None:
+        """The head learns from every pass, lookup's too (``runtime.proposers.base.observe``)."""
+        observe(self.head, state.head, history, tree, logits)
 
     def _lookup(self, state: LookupFirstState, step: ProposeInput) -> Tree | None:
         """Lookup's tree when it finds a continuation (the step's features then wait for the head), else None."""

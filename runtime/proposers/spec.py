@@ -16,19 +16,22 @@ LOOKUP_PROPOSERS = (*HEAD_PROPOSERS, "lookahead")  # proposers that take prompt 
 @dataclass(frozen=True)
 class LookaheadSettings:
     """Lookahead decoding's sizes: ``window`` (W) future positions the Jacobi window guesses, n-grams of ``ngram``
-    (N) tokens (the window keeps N - 1 levels of guesses; N >= 3), and at most ``candidates`` (G) n-grams verified
-    per step, also the most the pool keeps per first token. A pass carries (N - 1) W - 1 window rows and a tree of at
-    most 1 + G (N - 1) nodes."""
+    (N) tokens (the window keeps N - 1 levels of guesses; N >= 3), at most ``candidates`` (G) n-grams verified per
+    step, also the most the pool keeps per first token, and ``recycled`` (R) tree nodes beyond them for the
+    successors the target's verification passes computed (0: none). A pass carries (N - 1) W - 1 window rows and a
+    tree of at most 1 + G (N - 1) + R nodes."""
 
     window: int
     ngram: int
     candidates: int
+    recycled: int = 0
 
     def __post_init__(self):
-        for name in ("window", "ngram", "candidates"):
+        for name in ("window", "ngram", "candidates", "recycled"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LookaheadSettings.{name} must be a positive integer, got {value!r}")
+            least = 0 if name == "recycled" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"LookaheadSettings.{name} must be an integer >= {least}, got {value!r}")
         if self.ngram < 3:
             raise ValueError(f"LookaheadSettings.ngram must be >= 3 (the window keeps N - 1 >= 2 levels: the oldest "
                              f"starts each n-gram, the newest is guessed from the ones below), got {self.ngram}")
@@ -40,11 +43,12 @@ class LookaheadSettings:
 
     @property
     def tree_size(self) -> int:
-        """The most tree nodes G candidates of N - 1 tokens take (a trie shares their common prefixes)."""
-        return 1 + self.candidates * (self.ngram - 1)
+        """The most tree nodes G candidates of N - 1 tokens take (a trie shares their common prefixes), and R recycled
+        nodes."""
+        return 1 + self.candidates * (self.ngram - 1) + self.recycled
 
     def __str__(self) -> str:
-        return f"W={self.window}, N={self.ngram}, G={self.candidates}"
+        return f"W={self.window}, N={self.ngram}, G={self.candidates}, R={self.recycled}"
 
 
 @dataclass(frozen=True)
@@ -86,12 +90,13 @@ class ProposerSpec:
             if isinstance(self.lookahead, dict):  # a spec read back from JSON (dataclasses.asdict)
                 object.__setattr__(self, "lookahead", LookaheadSettings(**self.lookahead))
             elif isinstance(self.lookahead, (tuple, list)):
-                if len(self.lookahead) != 3:
-                    raise ValueError(f"ProposerSpec.lookahead: give (window, ngram, candidates), got "
+                if len(self.lookahead) not in (3, 4):
+                    raise ValueError(f"ProposerSpec.lookahead: give (window, ngram, candidates[, recycled]), got "
                                      f"{self.lookahead!r}")
                 object.__setattr__(self, "lookahead", LookaheadSettings(*self.lookahead))
             elif not isinstance(self.lookahead, LookaheadSettings):
-                raise TypeError(f"ProposerSpec.lookahead must be LookaheadSettings or (window, ngram, candidates), "
+                raise TypeError(f"ProposerSpec.lookahead must be LookaheadSettings or (window, ngram, candidates"
+                                f"[, recycled]), "
                                 f"got {self.lookahead!r}")
         if self.name == "draft" and not self.draft_model:
             raise ValueError("ProposerSpec.draft_model is required for name='draft' (a smaller model with the "
