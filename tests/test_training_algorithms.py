@@ -214,6 +214,26 @@ def test_evaluation_calls_the_head_only_inside_the_objectives_forward(head_type)
     assert result["reached"][0] == int(rows.sum())
 
 
+def test_medusa_is_scored_on_the_rows_the_runtime_drafts_from():
+    """The runtime drafts from the hidden state before the root (the root: an assistant token), so held-out rows
+    are those whose next token is the assistant's: the last prompt position counts, the reply's last does not."""
+    from training.evaluate import medusa_matches
+
+    class Heads:  # head i answers with the row's position plus 10 i, as a token id
+        num_heads = 2
+
+        def head_logits(self, index, selected):
+            return F.one_hot(selected[:, 0].long() + 10 * index, 64).float()
+
+    hidden = torch.arange(6, dtype=torch.float)[None, :, None]  # [1, T = 6, 1]: each row holds its position
+    assistant = torch.tensor([[0, 0, 1, 1, 1, 0]])  # the reply is positions 2 .. 4
+    branches = torch.zeros(1, 6, 3, dtype=torch.long)
+    branches[0, :, 1] = torch.arange(6)  # head 0 right everywhere
+    branches[0, 3, 2] = 13  # head 1 right at position 3 only
+    matches = medusa_matches(Heads(), {"assistant_mask": assistant, "branches": branches}, hidden)
+    assert matches.tolist() == [[True, False], [True, False], [True, True]]  # positions 1, 2, 3
+
+
 def test_norm_scale_is_the_weight_for_llama_norms_and_one_plus_it_for_gemma():
     """An EAGLE-3 head's Llama-style output norm starts as the target's final norm: Gemma's norm scales by
     1 + weight, so copying its weight would start the head far from the target."""

@@ -17,7 +17,7 @@ import contextlib
 import torch
 
 from training.features import target_features
-from training.masks import ChainCache, chain_attention_mask
+from training.masks import ChainCache, chain_attention_mask, next_token_mask
 from training.metrics import acceptance_counts
 
 
@@ -85,7 +85,12 @@ def eagle_matches(head, batch: dict, depth: int) -> torch.Tensor:
 
 @torch.no_grad()
 def medusa_matches(heads, batch: dict, hidden: torch.Tensor) -> torch.Tensor:
-    rows, cols = batch["assistant_mask"].nonzero(as_tuple=True)
+    """Medusa's heads on hidden [B, T, H] against the greedy branches -> matches [N, heads] over the rows that count.
+
+    The runtime drafts from the hidden state of the token before the root (the root being the target's own next
+    token), so a row counts where the *next* token is an assistant token, the rows training predicts from: head i
+    at position t guesses the token after branch token i, t + 2 + i."""
+    rows, cols = next_token_mask(batch["assistant_mask"]).nonzero(as_tuple=True)
     selected = hidden[rows, cols]
     tops = [heads.head_logits(i, selected).argmax(-1) for i in range(heads.num_heads)]
     return torch.stack([top == batch["branches"][rows, cols, i + 1] for i, top in enumerate(tops)], dim=-1)
