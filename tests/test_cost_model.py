@@ -225,3 +225,38 @@ def test_lookup_first_sizes_each_drafters_trees_apart(monkeypatch):
     assert sum(asked >= 4 for asked, _ in lookup[-10:]) >= 8 and sum(asked == 1 for asked, _ in head) >= 4
     report = decoder.tree_size_report()
     assert set(report["drafters"]) == {"ngram", "bad"} and sum(report["sizes"].values()) == len(steps)
+
+
+def test_lookup_first_searches_the_history_once_where_nothing_matches():
+    """draft_source's search found no match: that step's proposal goes to the head without searching again; a later
+    step (a longer history) searches again."""
+    import torch
+
+    from runtime.proposers import NgramProposer
+    from runtime.proposers.base import ProposeInput
+    from runtime.proposers.lookup_first import LookupFirstProposer
+    from runtime.sampling import SamplingParams
+    from tests.proposers_for_tests import BadProposer
+
+    searches = []
+
+    class Counting(NgramProposer):
+        def propose(self, state, step):
+            searches.append(step.history.numel())
+            return super().propose(state, step)
+
+    proposer = LookupFirstProposer(BadProposer(), Counting())
+    state = proposer.start(torch.tensor([1, 2, 3]), 64)
+
+    def step(history):
+        return ProposeInput(torch.tensor(history), None, (), 4, SamplingParams(), None)
+
+    history = [1, 2, 3, 4]  # no earlier occurrence of any suffix
+    assert proposer.draft_source(state, torch.tensor(history)) == "bad"
+    proposer.propose(state, step(history))
+    assert searches == []
+    history = [1, 2, 3, 4, 1, 2]  # "1 2" occurred before
+    assert proposer.draft_source(state, torch.tensor(history)) == "ngram"
+    assert proposer.propose(state, step(history)).size > 1 and searches == [6]
+    proposer.propose(state, step([1, 2, 3, 4, 1, 2, 9]))  # no draft_source call for this length: lookup searches
+    assert searches == [6, 7]

@@ -37,6 +37,9 @@ class LookupFirstState:
     """The head's own state, and the target features of rows verified since the head last drafted."""
 
     head: Any
+    # the history length at which draft_source found no match (the length grows every step, so an old one never
+    # matches): the step's proposal then skips lookup's second search
+    nothing_found_at: int = -1
     hidden: list[torch.Tensor] = field(default_factory=list)  # each [A, H]
     layer_hidden: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # each a tuple of [A, H]
 
@@ -72,7 +75,10 @@ class LookupFirstProposer:
     def draft_source(self, state: LookupFirstState, history: torch.Tensor) -> str:
         """Which drafter drafts the next step: lookup where the suffix of history [L] occurred before, else the
         head."""
-        return self.lookup.name if self.lookup.finds(history) else self.head.name
+        if self.lookup.finds(history):
+            return self.lookup.name
+        state.nothing_found_at = history.numel()
+        return self.head.name
 
     def start(self, prompt: torch.Tensor, max_length: int) -> LookupFirstState:
         return LookupFirstState(self.head.start(prompt, max_length))
@@ -99,6 +105,8 @@ class LookupFirstProposer:
 
     def _lookup(self, state: LookupFirstState, step: ProposeInput) -> Tree | None:
         """Lookup's tree when it finds a continuation (the step's features then wait for the head), else None."""
+        if state.nothing_found_at == step.history.numel():
+            return None
         found = self.lookup.propose(None, step)
         if found.size <= 1:
             return None
