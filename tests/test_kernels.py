@@ -93,6 +93,20 @@ def test_bf16_dot_linear_equals_fp32_product_then_one_rounding(rows, n, k, with_
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     step = exact.abs().clamp_min(1e-3) * 2.0 ** -7  # one bf16 step at each value's magnitude
     assert ((got.float() - exact).abs() <= step).all()  # a correct rounding of the fp32 sum
+
+
+def test_bf16_dot_linear_flushes_only_products_below_the_normal_range():
+    """The instruction flushes denormal products and sums to zero, as the kernel's comment says: tiny terms are lost,
+    each by less than 2^-126, and a normal term beside them is kept exactly."""
+    kernel = dot_kernel_or_skip()
+    x = torch.full((2, 64), 2.0 ** -70).bfloat16()
+    x[1, 0] = 1.0
+    weight = torch.full((3, 64), 2.0 ** -70).bfloat16()  # products 2^-140: denormal in fp32
+    weight[2, 0] = 0.5
+    got = kernel(x, weight, None).float()
+    exact = x.float() @ weight.float().T
+    assert ((got - exact).abs() <= 64 * 2.0 ** -126).all()
+    assert got[1, 2] == 0.5  # 1 x 0.5 kept; the 63 denormal products beside it cannot move it
     assert (got == exact.to(torch.bfloat16)).float().mean() > 0.99  # only the summation order differs
 
 

@@ -76,7 +76,9 @@ constexpr DotRows kDotRows[kRowBlock + 1] = {nullptr, dot_rows<1>, dot_rows<2>, 
 }  // namespace
 
 // x [M, K] bfloat16 -> (x @ weight^T + bias) [M, N] bfloat16: fp32 sums, the bias added in fp32, one rounding to
-// bf16 (round to nearest even, as Tensor.to). Equal to the fp32 product of the same values up to summation order.
+// bf16 (round to nearest even, as Tensor.to). Equal to the fp32 product of the same values up to summation order,
+// except that a product or partial sum below fp32's normal range (2^-126) counts as 0: each term is then off by less
+// than 2^-126, far below a bf16 step of any sum a model's activations reach.
 torch::Tensor bf16_dot_linear(const torch::Tensor& x, const torch::Tensor& weight,
                               const c10::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "expected x [M, K] and weight [N, K]");
