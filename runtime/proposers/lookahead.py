@@ -179,13 +179,17 @@ class SuccessorTable:
         return len(self.after_token)
 
 
+def token_before_root(history: torch.Tensor) -> int:
+    """The token before the root history[-1] (history [L]), the first half of the root's pair key; -1 for none."""
+    return int(history[-2]) if history.numel() > 1 else -1
+
+
 def record_successors(table: SuccessorTable, history: torch.Tensor, tree: Tree, logits: torch.Tensor) -> None:
     """Record the successors the target computed at ``tree``'s nodes (logits [N, V]; the root is history[-1])."""
     top = logits.topk(min(len(RANK_PRIOR), logits.shape[-1]), dim=-1).indices.tolist()
     tokens = tree.tokens.tolist()
     parents = tree.parents.tolist()
-    first = int(history[-2]) if history.numel() > 1 else -1
-    before = [first] + [tokens[parent] for parent in parents[1:]]
+    before = [token_before_root(history)] + [tokens[parent] for parent in parents[1:]]
     table.record(before, tokens, top)
 
 
@@ -289,8 +293,8 @@ class LookaheadProposer:
         root = int(step.history[-1])
         sequences = state.pool.candidates(root)[: s.candidates]
         if s.recycled:  # the n-grams' nodes first; recycled paths fill the tree's other nodes
-            previous = int(step.history[-2]) if step.history.numel() > 1 else -1
-            sequences = sequences + state.successors.paths(previous, root, step.tree_size - 1)
+            sequences = sequences + state.successors.paths(token_before_root(step.history), root,
+                                                           step.tree_size - 1)
         tree = Tree.from_sequences(root, sequences, step.tree_size, device=step.history.device)
         state.root = root
         return Draft(tree, window_tokens(state.levels), state.offsets, state.mask)
