@@ -84,23 +84,27 @@ def test_pool_keeps_the_most_recent_continuations_per_first_token():
 
 def test_successor_table_prefers_the_pair_and_keeps_the_latest():
     table = SuccessorTable()
-    table.record([1, 5], [5, 6], [[6, 7], [8, 9]])  # after 1 then 5: 6 or 7; after 5 then 6: 8 or 9
+    table.record([1, 5], [5, 6], [[6, 7], [8, 9]], [[0.6, 0.3], [0.5, 0.2]])  # after 1 then 5: 6 or 7; 5 6: 8 or 9
     assert table.successors(1, 5) == (6, 7)
     assert table.successors(2, 5) == (6, 7)  # no entry for (2, 5): what followed 5 alone
     assert table.successors(0, 4) == ()
-    table.record([3], [5], [[4, 2]])  # 5 again, after 3: the latest wins for 5 alone, the pair (1, 5) stays
+    # 5 again, after 3: the latest wins for 5 alone, the pair (1, 5) stays
+    table.record([3], [5], [[4, 2]], [[0.9, 0.1]])
     assert table.successors(2, 5) == (4, 2) and table.successors(1, 5) == (6, 7) and table.successors(3, 5) == (4, 2)
     assert len(table) == 2
 
 
 def test_recycled_paths_go_best_first_with_prefixes_first():
     table = SuccessorTable()
-    table.record([0, 1, 2, 3], [1, 2, 3, 4], [[2, 9], [3, 8], [4, 7], [5, 6]])  # a chain 1 2 3 4 5 of first picks
-    # RANK_PRIOR: first choices 0.5, second 0.12: 2 (0.5), 2 3 (0.25), 2 3 4 (0.125), 9 (0.12), 2 3 4 5 (0.0625) ...
-    assert table.paths(0, 1, 5) == [(2,), (2, 3), (2, 3, 4), (9,), (2, 3, 4, 5)]
+    table.record([0, 1, 2, 3], [1, 2, 3, 4], [[2, 9], [3, 8], [4, 7], [5, 6]],
+                 [[0.5, 0.3], [0.9, 0.05], [0.4, 0.35], [0.5, 0.1]])  # a chain 1 2 3 4 5 of first picks
+    # path scores are products of probabilities: 2 (0.5), 2 3 (0.45), 9 (0.3), 2 3 4 (0.18), 2 3 7 (0.1575),
+    # 2 3 4 5 (0.09); a confident second step (3 after 2) goes deeper before an unlikely first (9) is tried
+    assert table.scored_paths(0, 1, 3) == [((2,), 0.5), ((2, 3), 0.45), ((9,), 0.3)]
+    assert table.paths(0, 1, 6) == [(2,), (2, 3), (9,), (2, 3, 4), (2, 3, 7), (2, 3, 4, 5)]
     assert table.paths(0, 1, 0) == [] and table.paths(0, 42, 5) == []
-    tree = Tree.from_sequences(1, table.paths(0, 1, 5), max_nodes=6)
-    assert tree.tokens.tolist() == [1, 2, 3, 4, 9, 5] and tree.parents.tolist() == [-1, 0, 1, 2, 0, 3]
+    tree = Tree.from_sequences(1, table.paths(0, 1, 6), max_nodes=7)
+    assert tree.tokens.tolist() == [1, 2, 3, 9, 4, 7, 5] and tree.parents.tolist() == [-1, 0, 1, 0, 2, 2, 4]
 
 
 def test_successors_are_recorded_at_every_node_after_its_parent():
@@ -125,7 +129,7 @@ def test_recycled_nodes_fill_what_the_pool_leaves_and_stay_exact():
     state = proposer.start(torch.tensor(prompt), 80)
     tree = Tree(torch.tensor([4, 9]), torch.tensor([-1, 0]))
     logits = torch.zeros(2, VOCAB)
-    logits[0, 9], logits[1, 4] = 1.0, 1.0
+    logits[0, 9], logits[1, 4] = 10.0, 10.0  # confident: the chain 9 4 outscores every second choice
     proposer.observe(state, torch.tensor(prompt), tree, logits)
     step = ProposeInput(torch.tensor(prompt), None, (), proposer.tree_size, SamplingParams(), None)
     drafted = proposer.propose(state, step).tree

@@ -25,9 +25,10 @@ sizes each drafter's trees by its own rule.
 
 Recycled successors (Luo et al., 2024, "Turning Trash into Treasure"). A verification pass computes the target's
 logits at every tree node, and all but the accepted path's are thrown away. Their top-k are the target's guesses of
-what follows each node's token; the ``SuccessorTable`` keeps the latest for each token and each pair of tokens. The
-tree's nodes that the pool's n-grams leave free (R of them at least, ``LookaheadSettings.recycled``) are filled
-from it best-first: the root's successors, their successors, and so on. The table is a deterministic function of
+what follows each node's token; the ``SuccessorTable`` keeps the latest for each token and each pair of tokens, with
+the target's probabilities. The tree's nodes that the pool's n-grams leave free (R of them at least,
+``LookaheadSettings.recycled``) are filled from it best-first by the product of those probabilities along a path:
+the root's likeliest successors, theirs, and so on. The table is a deterministic function of
 the history and the earlier passes' logits, like the pool, so the exact acceptance keeps the output the target's.
 On a CPU, where each extra row costs, recycled nodes are right far more often than the window's n-grams for the
 same rows (scripts/results/README.md, "Recycled successors"), and the cost curve gives them most of the pass.
@@ -55,12 +56,11 @@ CONTINUE = 0.5
 NGRAM_SIZES = (3, 4, 5)
 PRIOR_ACCEPTANCE = 0.3
 MAX_WINDOW = 16
-# Recycled successors: the relative chance that the r-th ranked successor is the token that follows. Only the order of
-# products of these matters (best-first search), and it is what makes a chain of first choices go deeper before a
-# second choice is tried. The prior for choosing R: where no n-gram is right, R recycled nodes add
-# RECYCLE_SCALE log2(1 + R) accepted tokens a pass. Fitted like HIT_SCALE, with scripts/benchmark.py's `lookahead`
-# (tokens per pass 1.76 at W = 1, N = 3, G = 1, R = 7 on every 8th MT-bench first turn, bf16).
-RANK_PRIOR = (0.5, 0.12, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01)
+# Recycled successors: each tree node's SUCCESSORS most likely next tokens are kept, with the target's probabilities
+# for them. The prior for choosing R: where no n-gram is right, R recycled nodes add RECYCLE_SCALE log2(1 + R)
+# accepted tokens a pass. Fitted like HIT_SCALE, with scripts/benchmark.py's `lookahead` (tokens per pass 1.76 at
+# W = 1, N = 3, G = 1, R = 7 on every 8th MT-bench first turn, bf16).
+SUCCESSORS = 8
 RECYCLE_SCALE = 0.23
 RECYCLED_SIZES = (0, 1, 2, 3, 5, 7, 11, 15)
 
@@ -135,45 +135,55 @@ class NgramPool:
 
 
 class SuccessorTable:
-    """The target's top-k next tokens after a token, and after a pair of tokens, as the latest verification pass
-    computed them (at a tree node holding that token, after its parent's token)."""
+    """The target's top-k next tokens after a token, and after a pair of tokens, with their probabilities, as the
+    latest verification pass computed them (at a tree node holding that token, after its parent's token)."""
 
     def __init__(self):
-        self.after_token: dict[int, tuple[int, ...]] = {}
-        self.after_pair: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.after_token: dict[int, tuple[tuple[int, float], ...]] = {}
+        self.after_pair: dict[tuple[int, int], tuple[tuple[int, float], ...]] = {}
 
-    def record(self, before: list[int], tokens: list[int], successors: list[list[int]]) -> None:
-        """Each node's token, the token before it and its top-k successors (best first), in order: a later node
-        overwrites an earlier one's entry."""
-        for previous, token, top in zip(before, tokens, successors):
-            top = tuple(top)
-            self.after_token[token] = top
-            self.after_pair[(previous, token)] = top
+    def record(self, before: list[int], tokens: list[int], successors: list[list[int]],
+               probs: list[list[float]]) -> None:
+        """Each node's token, the token before it, its top-k successors (best first) and the target's probabilities
+        for them, in order: a later node overwrites an earlier one's entry."""
+        for previous, token, top, chance in zip(before, tokens, successors, probs):
+            entry = tuple(zip(top, chance))
+            self.after_token[token] = entry
+            self.after_pair[(previous, token)] = entry
+
+    def entry(self, previous: int, token: int) -> tuple[tuple[int, float], ...]:
+        """(successor, probability) pairs after ``token`` after ``previous``, else after ``token`` alone; ()."""
+        return self.after_pair.get((previous, token)) or self.after_token.get(token, ())
 
     def successors(self, previous: int, token: int) -> tuple[int, ...]:
         """What followed ``token`` after ``previous`` when last seen, else after ``token`` alone; () if never."""
-        return self.after_pair.get((previous, token)) or self.after_token.get(token, ())
+        return tuple(t for t, _ in self.entry(previous, token))
 
-    def paths(self, previous: int, root: int, count: int) -> list[tuple[int, ...]]:
-        """Up to ``count`` continuations of ``root`` (``previous`` before it), best first: each scores the product of
-        RANK_PRIOR over its tokens' ranks, and each path's prefix comes before it, so a trie of the first n paths has
-        n + 1 nodes."""
-        found: list[tuple[int, ...]] = []
+    def scored_paths(self, previous: int, root: int, count: int) -> list[tuple[tuple[int, ...], float]]:
+        """Up to ``count`` (continuation of ``root``, its score), best first: a path scores the product of its
+        tokens' recorded probabilities (what EAGLE-2 ranks its draft tree by, here the target's own, from the last
+        time it saw each token), and each path's prefix comes before it, so a trie of the first n paths has n + 1
+        nodes."""
+        found: list[tuple[tuple[int, ...], float]] = []
         frontier: list[tuple[float, int, tuple[int, ...], int, int]] = []  # (-score, order, path, previous, token)
         order = 0
 
         def expand(path: tuple[int, ...], before: int, token: int, score: float) -> None:
             nonlocal order
-            for rank, following in enumerate(self.successors(before, token)[:len(RANK_PRIOR)]):
-                heapq.heappush(frontier, (-score * RANK_PRIOR[rank], order, path + (following,), token, following))
+            for following, chance in self.entry(before, token):
+                heapq.heappush(frontier, (-score * chance, order, path + (following,), token, following))
                 order += 1
 
         expand((), previous, root, 1.0)
         while frontier and len(found) < count:
             negative, _, path, before, token = heapq.heappop(frontier)
-            found.append(path)
+            found.append((path, -negative))
             expand(path, before, token, -negative)
         return found
+
+    def paths(self, previous: int, root: int, count: int) -> list[tuple[int, ...]]:
+        """``scored_paths`` without the scores."""
+        return [path for path, _ in self.scored_paths(previous, root, count)]
 
     def __len__(self) -> int:
         return len(self.after_token)
@@ -186,11 +196,11 @@ def token_before_root(history: torch.Tensor) -> int:
 
 def record_successors(table: SuccessorTable, history: torch.Tensor, tree: Tree, logits: torch.Tensor) -> None:
     """Record the successors the target computed at ``tree``'s nodes (logits [N, V]; the root is history[-1])."""
-    top = logits.topk(min(len(RANK_PRIOR), logits.shape[-1]), dim=-1).indices.tolist()
+    probs, top = logits.float().softmax(-1).topk(min(SUCCESSORS, logits.shape[-1]), dim=-1)
     tokens = tree.tokens.tolist()
     parents = tree.parents.tolist()
     before = [token_before_root(history)] + [tokens[parent] for parent in parents[1:]]
-    table.record(before, tokens, top)
+    table.record(before, tokens, top.tolist(), probs.tolist())
 
 
 def expected_tokens(settings: LookaheadSettings, scale: float = HIT_SCALE, keep: float = CONTINUE,
