@@ -29,6 +29,9 @@ BACKENDS = ("sdpa", "flex", "cascade")
 ATTN_IMPLEMENTATION = "headstart_tree"  # the name registered with transformers' AttentionInterface
 DECODE_KERNEL_MAX_ROWS = 16
 DECODE_KERNEL_HEAD_SIZES = (64, 128)
+# fp32 scores the reference attention holds at once (256 MB; its softmax makes about two more of that size): a
+# long prefill of a soft-capped or windowed layer, which no fused kernel takes, goes in chunks of query rows
+MAX_REFERENCE_SCORES = 1 << 26
 
 
 def sdpa_attention(query, key, value, mask, scale: float) -> torch.Tensor:
@@ -63,13 +66,29 @@ def flex_attention(query, key, value, mask, scale: float) -> torch.Tensor:
     return flex(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1])
 
 
-def attention_with_lse(query, key, value, mask, scale: float,
-                       softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference attention returning (out [B, H, T, D], lse [B, H, T]); mask [B, 1, T, S] bool or None (all).
+def attention_with_lse(query, key, value, mask, scale: float, softcap: float | None = None,
+                       max_scores: int = MAX_REFERENCE_SCORES) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention returning (out [B, H, T, D], lse [B, H, T]); mask [B or 1, 1, T or 1, S] bool or None
+    (all).
 
     Computed in float32. A row that may attend to nothing gets out = 0 and lse = -inf, so merging ignores it.
-    ``softcap``: Gemma-2's attention logit soft-capping, scores -> softcap * tanh(scores / softcap).
+    ``softcap``: Gemma-2's attention logit soft-capping, scores -> softcap * tanh(scores / softcap). The query rows
+    go in chunks of at most ``max_scores`` scores [B, H, rows, S] each: every row's result is its own, and a long
+    prefill through this path (a soft-capped or windowed layer) then needs memory for a chunk, not for T x S.
     """
+    batch, heads, q_len, _ = query.shape
+    rows = max(1, max_scores // max(1, batch * heads * key.shape[2]))
+    if q_len <= rows:
+        return _attention_with_lse(query, key, value, mask, scale, softcap)
+    parts = [_attention_with_lse(query[:, :, start:start + rows], key, value,
+                                 mask if mask is None or mask.shape[2] == 1 else mask[:, :, start:start + rows],
+                                 scale, softcap)
+             for start in range(0, q_len, rows)]
+    return torch.cat([out for out, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=2)
+
+
+def _attention_with_lse(query, key, value, mask, scale: float, softcap: float | None):
+    """``attention_with_lse`` for all of ``query``'s rows at once."""
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
@@ -239,7 +258,8 @@ def transformers_attention_forward(module, query, key, value, attention_mask, dr
         attention_mask = sliding_window_mask(attention_mask, position_ids, keys, sliding_window, key_positions)
     if softcap is not None or (windowed and tree_backend == "cascade"):
         # No fused kernel takes soft-capping, and the cascade's prefix kernel sees the whole prefix where a window
-        # cuts into it: attend over the full mask with the reference (None is causal for several rows, as in SDPA).
+        # cuts into it: attend over the full mask with the reference (None is causal for several rows, as in SDPA),
+        # which takes the query rows in chunks so that a long prefill's scores fit in memory.
         if attention_mask is None and query.shape[2] > 1:
             attention_mask = causal_mask(query.shape[2], keys, query.device)
         out, _ = attention_with_lse(query, key, value, attention_mask, scale, softcap)

@@ -40,6 +40,25 @@ def test_reference_kernel_matches_sdpa_and_merge_is_exact():
     torch.testing.assert_close(merged_lse, lse, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_reference_attends_in_query_chunks_with_the_same_result(softcap):
+    """A budget of a few scores splits the query rows into chunks (the memory bound of a long soft-capped or
+    windowed prefill); every row, lse and the zero output of a row that sees nothing come out as in one piece."""
+    q, k, v, mask, _ = random_case(seed=4)
+    mask = mask.clone()
+    mask[1, :, 3] = False  # a row that may attend to nothing
+    whole = attention_with_lse(q, k, v, mask, 0.5, softcap)
+    for budget in (1, 2 * 6 * 18 * 3):  # one row at a time; three rows a chunk (batch 2, 6 heads, 18 keys)
+        chunked = attention_with_lse(q, k, v, mask, 0.5, softcap, max_scores=budget)
+        torch.testing.assert_close(chunked[0], whole[0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(chunked[1], whole[1], atol=1e-6, rtol=1e-6)
+    assert torch.equal(whole[0][1, :, 3], torch.zeros_like(whole[0][1, :, 3])) and whole[1][1, :, 3].isinf().all()
+    # a mask broadcast over the rows, and none
+    for shared in (mask[:, :, :1], None):
+        torch.testing.assert_close(attention_with_lse(q, k, v, shared, 0.5, softcap, max_scores=1),
+                                   attention_with_lse(q, k, v, shared, 0.5, softcap), atol=1e-6, rtol=1e-6)
+
+
 def test_cascade_with_explicit_reference_prefix_kernel():
     q, k, v, mask, prefix = random_case(seed=2)
     got = cascade_attention(q, k, v, mask, 0.25, prefix, prefix_kernel=reference_prefix_attention)
