@@ -2,6 +2,7 @@
 (runtime.benchmark, runtime.prompts, runtime.proposers.ProposerSpec), on a tiny random model that uses the default
 target's tokenizer."""
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -350,7 +351,18 @@ def test_divergence_report_scores_the_first_differing_token(tiny_dir):
     case = report["x"]["cases"][0]
     assert report["x"]["divergent"] == 1 and case["position"] == 0 and (case["ours"], case["hf"]) == (other, best)
     assert case["fp32_gap"] == pytest.approx(float(logits[best] - logits[other]), abs=1e-5)
-    assert case["rounding_error"] == 0.0 and case["near_tie"] == (case["fp32_gap"] == 0.0)
+    # every run float32: float32's own rounding, measured against a float64 copy, decides
+    exact = copy.deepcopy(model).double()(ids[None]).logits[0, -1]
+    error = max(abs(float(logits[t].double() - exact[t])) for t in (best, other))
+    assert case["rounding_error"] == pytest.approx(error) and case["fp64_gap"] == pytest.approx(
+        float(exact[best] - exact[other]))
+    assert not case["near_tie"] and not case["fp64_picks_ours"] and report["x"]["unexplained"] == 1
+    assert next(model.parameters()).dtype == torch.float32  # the model handed in is left as it was
+    # two tokens whose logits are equal in any precision: a near-tie
+    with torch.no_grad():
+        model.get_output_embeddings().weight[other] = model.get_output_embeddings().weight[best]
+    tie = divergence_report(records, [ids, ids], {"x": model}, model, model)["x"]
+    assert tie["cases"][0]["near_tie"] and tie["near_ties"] == 1 and tie["unexplained"] == 0
 
 
 def test_divergence_report_counts_the_bf16_baselines_rounding(tiny_dir):
