@@ -152,7 +152,8 @@ class SuccessorTable:
             self.after_pair[(previous, token)] = entry
 
     def entry(self, previous: int, token: int) -> tuple[tuple[int, float], ...]:
-        """(successor, probability) pairs after ``token`` after ``previous``, else after ``token`` alone; ()."""
+        """(successor, probability) pairs recorded after the pair (``previous``, ``token``), else after ``token``
+        alone; () if never."""
         return self.after_pair.get((previous, token)) or self.after_token.get(token, ())
 
     def successors(self, previous: int, token: int) -> tuple[int, ...]:
