@@ -93,6 +93,7 @@ def test_bf16_dot_linear_equals_fp32_product_then_one_rounding(rows, n, k, with_
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     step = exact.abs().clamp_min(1e-3) * 2.0 ** -7  # one bf16 step at each value's magnitude
     assert ((got.float() - exact).abs() <= step).all()  # a correct rounding of the fp32 sum
+    assert (got == exact.to(torch.bfloat16)).float().mean() > 0.99  # only the summation order differs
 
 
 def test_bf16_dot_linear_flushes_only_products_below_the_normal_range():
@@ -107,7 +108,6 @@ def test_bf16_dot_linear_flushes_only_products_below_the_normal_range():
     exact = x.float() @ weight.float().T
     assert ((got - exact).abs() <= 64 * 2.0 ** -126).all()
     assert got[1, 2] == 0.5  # 1 x 0.5 kept; the 63 denormal products beside it cannot move it
-    assert (got == exact.to(torch.bfloat16)).float().mean() > 0.99  # only the summation order differs
 
 
 def test_bf16_dot_linear_rejects_wrong_inputs():
