@@ -19,8 +19,12 @@
 
 namespace {
 
-constexpr int64_t kRowBlock = 8;        // input rows per pass over a chunk
-constexpr int64_t kChunkRows = 32;      // weight rows per chunk: 32 x 1536 bf16 = 96 KB, well inside L2
+constexpr int64_t kRowBlock = 8;  // input rows per block
+// Weight rows per chunk: every block of input rows passes over a chunk while it is in L1, then the next chunk. With
+// chunks of 32 rows the weights streamed from memory only while the first block passed over a chunk and the others
+// read L2; small chunks keep the stream going through the whole call (scripts/bench_bf16_rows.py: 16-32 rows about
+// 1.1x faster). 6 is a multiple of every block's WROWS below.
+constexpr int64_t kChunkRows = 6;
 constexpr int64_t kPrefetchAhead = 8192;  // weight elements ahead (16 KB), as in bf16_rows.cpp
 
 inline __m512bh load_pairs(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
@@ -38,7 +42,8 @@ inline void dot_block(const uint16_t* x, const uint16_t* w, int64_t K, float* ou
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     for (int j = 0; j < WROWS; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k + kPrefetchAhead), _MM_HINT_T0);
+      // into L2, not L1, as in bf16_rows.cpp (one row about 1.4x faster for it here)
+      _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k + kPrefetchAhead), _MM_HINT_T1);
       weights[j] = load_pairs(w + j * K + k);
     }
     for (int m = 0; m < ROWS; ++m) {
@@ -59,11 +64,12 @@ inline void dot_block(const uint16_t* x, const uint16_t* w, int64_t K, float* ou
 }
 
 // Weight rows [begin, end) against ROWS input rows, WROWS weight rows at a time (at most 24 accumulators of the 32
-// registers, the rest for the operands).
+// registers, the rest for the operands). One or two rows are bound by memory, and one weight row at a time, read in
+// order, measured faster there than several side by side (scripts/bench_bf16_rows.py --rows 1).
 template <int ROWS>
 void dot_rows(const uint16_t* x, const uint16_t* w, int64_t K, float* out, int64_t out_stride, int64_t begin,
               int64_t end) {
-  constexpr int WROWS = ROWS <= 2 ? 8 : (ROWS <= 4 ? 6 : 3);
+  constexpr int WROWS = ROWS <= 2 ? 1 : (ROWS <= 4 ? 6 : 3);
   int64_t n = begin;
   for (; n + WROWS <= end; n += WROWS) dot_block<ROWS, WROWS>(x, w + n * K, K, out + n, out_stride);
   for (; n < end; ++n) dot_block<ROWS, 1>(x, w + n * K, K, out + n, out_stride);

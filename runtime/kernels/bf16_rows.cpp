@@ -18,7 +18,9 @@ namespace {
 
 constexpr int64_t kRowBlock = 8;  // input rows sharing one pass over a weight row (8 accumulators + 1 weight vector)
 // Weight elements to prefetch ahead (16 KB): the weights stream from memory once per pass, and the hardware
-// prefetcher alone left the loop waiting on memory (4-8K elements measured about equal; 1K clearly slower).
+// prefetcher alone left the loop waiting on memory (4-8K elements measured about equal; 1K clearly slower). They are
+// prefetched into L2, not L1: 16 KB ahead in a 32-48 KB L1 evicted the rows and weights in use, and a 2-row call ran
+// about 1.4x slower for it (scripts/bench_bf16_rows.py); from L2 a line reaches L1 in time.
 constexpr int64_t kPrefetchAhead = 8192;
 
 inline float widen(uint16_t bits) {
@@ -48,7 +50,7 @@ inline void dot_block(const float* x, const uint16_t* w, int64_t K, float* out, 
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     for (int j = 0; j < WROWS; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k + kPrefetchAhead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k + kPrefetchAhead), _MM_HINT_T1);
       __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * K + k));
       __m256 weights = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
       for (int m = 0; m < ROWS; ++m)
