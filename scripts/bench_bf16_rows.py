@@ -8,16 +8,28 @@ median milliseconds of --repeats passes per row count: PyTorch (``F.linear``), t
 what ``runtime.decode_layers.decode_linear`` uses for 2-16 bf16 rows on CPUs without AVX512-BF16) and, on CPUs with
 AVX512-BF16, the dot-product kernel (``bf16_dot_linear``, which it uses there up to DOT_KERNEL_MAX_ROWS rows).
 Run it with nothing else on the machine.
+
+    git show HEAD~1:runtime/kernels/bf16_dot_rows.cpp > /tmp/earlier_dot_rows.cpp
+    python scripts/bench_bf16_rows.py --rows 1 8 16 --dot-baseline /tmp/earlier_dot_rows.cpp
+
+--dot-baseline (--rows-baseline) builds another version of the AVX512-BF16 kernel's (the AVX2 row kernel's) source
+and times it beside the current one, alternating pass by pass in one process (the only fair comparison on a
+machine whose speed drifts), after checking whether both give the same outputs.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import statistics
 import sys
+import time
+from pathlib import Path
 
 import torch
 
-from runtime.kernels import bf16_dot_linear, bf16_rows_matmul
+from runtime.kernels import (DOT_KERNEL_FLAGS, ROW_KERNEL_FLAGS, bf16_dot_linear, bf16_rows_linear,
+                             bf16_rows_matmul, build_source)
 
 from bench_vocab_projection import median_ms  # scripts/bench_vocab_projection.py
 
@@ -32,6 +44,10 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--dot-baseline", metavar="SOURCE",
+                        help="another version of runtime/kernels/bf16_dot_rows.cpp to time beside the current one")
+    parser.add_argument("--rows-baseline", metavar="SOURCE",
+                        help="another version of runtime/kernels/bf16_rows.cpp to time beside the current one")
     args = parser.parse_args(argv)
     kernel = bf16_rows_matmul()
     if kernel is None:
@@ -53,7 +69,41 @@ def main(argv=None) -> int:
             dotted = median_ms(lambda: [dot(inputs[w.shape[1]], w, None) for w in weights], args.repeats)
             line += f" {dotted:.1f} | {stock / dotted:.2f} |"
         print(line)
+    if args.dot_baseline:
+        if dot is None:
+            raise SystemExit("--dot-baseline needs the AVX512-BF16 kernel, which this machine does not run")
+        compare_kernels(dot, args.dot_baseline, "bf16_dot_linear", DOT_KERNEL_FLAGS, weights, args.rows,
+                        args.repeats)
+    if args.rows_baseline:
+        compare_kernels(bf16_rows_linear(), args.rows_baseline, "bf16_rows_linear", ROW_KERNEL_FLAGS, weights,
+                        args.rows, args.repeats)
     return 0
+
+
+def compare_kernels(current, source: str, function: str, flags: tuple[str, ...], weights: list[torch.Tensor],
+                    row_counts: list[int], repeats: int) -> None:
+    """Time ``function`` (bf16 rows, weight, bias -> bf16 rows) built from ``source`` against ``current`` over
+    ``weights``, alternating pass by pass, after checking whether both give the same outputs."""
+    text = Path(source).read_bytes()
+    name = f"headstart_baseline_{function}_{hashlib.sha1(text).hexdigest()[:10]}"
+    baseline = getattr(build_source(Path(source).resolve(), name, flags), function)
+    print(f"\n{function}\n| rows | {source} ms | current ms | baseline / current |\n|---:|---:|---:|---:|")
+    for rows in row_counts:
+        inputs = {k: torch.randn(rows, k).bfloat16() for k in {w.shape[1] for w in weights}}
+        for w in (weights[0], weights[-1]):
+            if not torch.equal(current(inputs[w.shape[1]], w, None), baseline(inputs[w.shape[1]], w, None)):
+                print(f"note: at {rows} rows the two kernels' outputs differ (another summation order?)")
+        times: dict[str, list[float]] = {"baseline": [], "current": []}
+        for repeat in range(repeats + 1):  # the first round warms up and is dropped
+            order = (("baseline", baseline), ("current", current))
+            for label, kernel in order if repeat % 2 else order[::-1]:
+                started = time.perf_counter()
+                for w in weights:
+                    kernel(inputs[w.shape[1]], w, None)
+                if repeat:
+                    times[label].append(time.perf_counter() - started)
+        before, after = (statistics.median(times[label]) * 1000 for label in ("baseline", "current"))
+        print(f"| {rows} | {before:.1f} | {after:.1f} | {before / after:.2f} |")
 
 
 if __name__ == "__main__":

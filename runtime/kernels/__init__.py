@@ -42,15 +42,26 @@ def _compiled(source: str, fallback: str, isa_flags: tuple[str, ...] = ("-mavx2"
                       stacklevel=3)
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        return load(name=name, sources=[str(SOURCE_DIR / source)],
-                    # without OpenMP, at::parallel_for runs on one thread
-                    extra_cflags=["-O3", *isa_flags, "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        return build_source(SOURCE_DIR / source, name, isa_flags)
     except Exception as error:  # no compiler or ninja: fall back rather than fail decoding
         warnings.warn(f"the kernel {source} could not be built ({type(error).__name__}: {error}); {fallback}",
                       stacklevel=3)
         return None
+
+
+def build_source(path: Path, name: str, isa_flags: tuple[str, ...]):
+    """Compile the kernel source ``path`` as extension module ``name`` (cached by torch); raises where it cannot be
+    built. The kernels' shared header is on the include path, so another version of a kernel's source (a benchmark's
+    baseline) builds the same way."""
+    from torch.utils.cpp_extension import load
+
+    return load(name=name, sources=[str(path)], extra_include_paths=[str(SOURCE_DIR)],
+                # without OpenMP, at::parallel_for runs on one thread
+                extra_cflags=["-O3", *isa_flags, "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+
+
+ROW_KERNEL_FLAGS = ("-mavx2", "-mfma")  # the instruction sets each kernel is written for
+DOT_KERNEL_FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512bf16")
 
 
 STALE_LOCK_SECONDS = 600  # a first build takes well under this; an older lock outlived the build that made it
@@ -108,8 +119,7 @@ def bf16_dot_linear() -> Callable[..., torch.Tensor] | None:
         return None
     if not getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
         return None
-    module = _compiled("bf16_dot_rows.cpp", "bf16 rows use the AVX2 row kernel or PyTorch's product",
-                       ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512bf16"))
+    module = _compiled("bf16_dot_rows.cpp", "bf16 rows use the AVX2 row kernel or PyTorch's product", DOT_KERNEL_FLAGS)
     return None if module is None else module.bf16_dot_linear
 
 
