@@ -42,7 +42,7 @@ inline void dot_block(const uint16_t* x, const uint16_t* w, int64_t K, float* ou
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     for (int j = 0; j < WROWS; ++j) {
-      // into L2, not L1, as in bf16_rows.cpp (one row about 1.4x faster for it here)
+      // into L2, not L1, as in bf16_rows.cpp (scripts/bench_bf16_rows.py --dot-baseline: 1-8 rows 1.4-1.6x faster)
       _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k + kPrefetchAhead), _MM_HINT_T1);
       weights[j] = load_pairs(w + j * K + k);
     }
