@@ -9,8 +9,8 @@ what ``runtime.decode_layers.decode_linear`` uses for 2-16 bf16 rows on CPUs wit
 AVX512-BF16, the dot-product kernel (``bf16_dot_linear``, which it uses there up to DOT_KERNEL_MAX_ROWS rows).
 Run it with nothing else on the machine.
 
-    git show HEAD~1:runtime/kernels/bf16_dot_rows.cpp > /tmp/earlier_dot_rows.cpp
-    python scripts/bench_bf16_rows.py --rows 1 8 16 --dot-baseline /tmp/earlier_dot_rows.cpp
+    git show HEAD~1:runtime/kernels/bf16_dot_rows.cpp > earlier_dot_rows.cpp
+    python scripts/bench_bf16_rows.py --rows 1 8 16 --dot-baseline earlier_dot_rows.cpp
 
 --dot-baseline (--rows-baseline) builds another version of the AVX512-BF16 kernel's (the AVX2 row kernel's) source
 and times it beside the current one, alternating pass by pass in one process (the only fair comparison on a
