@@ -25,10 +25,13 @@ import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent
 KERNEL_CPU_CAPABILITIES = ("AVX2", "AVX512")  # torch.backends.cpu.get_cpu_capability() values with AVX2 and FMA
+# the instruction sets each kernel is written for: the AVX2 kernels, and the AVX512-BF16 dot-product kernel
+ROW_KERNEL_FLAGS = ("-mavx2", "-mfma")
+DOT_KERNEL_FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512bf16")
 
 
 @functools.cache
-def _compiled(source: str, fallback: str, isa_flags: tuple[str, ...] = ("-mavx2", "-mfma")):
+def _compiled(source: str, fallback: str, isa_flags: tuple[str, ...] = ROW_KERNEL_FLAGS):
     """The compiled ``source`` (a file beside this one), or None where it cannot be built or run; ``fallback`` says
     in the warning what runs instead. ``isa_flags``: the instruction sets it is written for (the caller checks that
     the CPU has them beyond AVX2)."""
@@ -58,10 +61,6 @@ def build_source(path: Path, name: str, isa_flags: tuple[str, ...]):
     return load(name=name, sources=[str(path)], extra_include_paths=[str(SOURCE_DIR)],
                 # without OpenMP, at::parallel_for runs on one thread
                 extra_cflags=["-O3", *isa_flags, "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
-
-
-ROW_KERNEL_FLAGS = ("-mavx2", "-mfma")  # the instruction sets each kernel is written for
-DOT_KERNEL_FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512bf16")
 
 
 STALE_LOCK_SECONDS = 600  # a first build takes well under this; an older lock outlived the build that made it
