@@ -235,16 +235,23 @@ def transformers_attention_forward(module, query, key, value, attention_mask, dr
                                    scaling: float | None = None, tree_backend: str = "sdpa",
                                    prefix_len: int | None = None, sliding_window: int | None = None,
                                    softcap: float | None = None, key_positions: torch.Tensor | None = None,
-                                   **kwargs):
+                                   ragged=None, **kwargs):
     """The function transformers' attention modules call (registered as ``ATTN_IMPLEMENTATION``).
 
     The backend and prefix length arrive as forward kwargs, so they flow through arguments, not model state. A
     sliding-window layer (its module passes ``sliding_window``) gets the window applied to the mask here, so every
     backend and every model family sees the same windowed tree mask (``key_positions``, a forward kwarg like the
     backend's, places the keys where a batch's rows have different lengths: see ``sliding_window_mask``); Gemma-2's
-    ``softcap`` goes through the reference attention, which takes it. Returns (out [B, T, H, D], None) as
-    transformers expects.
+    ``softcap`` goes through the reference attention, which takes it. ``ragged`` (``runtime.ragged.RaggedRows``, a
+    forward kwarg): the pass's tokens come packed, query [1, H, T', D], and attend padded, each row over its own
+    keys with its rows of the [B, 1, N, S] mask. Returns (out [B, T, H, D], None) as transformers expects ([1, T',
+    H, D] for a packed pass).
     """
+    if ragged is not None:
+        out, _ = transformers_attention_forward(module, ragged.pad(query, 2), key, value, attention_mask, dropout,
+                                                scaling, tree_backend, prefix_len, sliding_window, softcap,
+                                                key_positions, **{**kwargs, "position_ids": ragged.positions})
+        return ragged.pack(out), None
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise ValueError("this attention has sinks (s_aux: learnt per-head logits beside the keys), which the tree "
                          "attention does not apply: the target cannot be decoded here")

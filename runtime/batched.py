@@ -33,9 +33,14 @@ newly verified rows in one pass and takes every root through its LM head in one 
 not depend on the trees. Sampled rows draft one by one: a head's trees may differ by rounding with the shape of the
 batch, and a sampled row's draws depend on its tree.
 
-The tree size is fixed for every row and step (rows may draft fewer nodes): a size adapted from what the whole batch
-accepts would make one row's trees, and so its random draws when sampling, depend on its neighbours. A proposer that
-sizes its own trees (``runtime.proposers.base.sizes_own_tree``) keeps its size at every batch size.
+Tree sizes. Rows of different sizes verify packed (``runtime.ragged``): no padding token is computed, so a row pays
+only for its own nodes. Greedy rows get their sizes per pass (``runtime.tree_sizing.allocate_nodes``): each row's
+acceptance by depth, learnt from its own passes and pulled towards what every row of the run gets accepted from the
+same drafter, says what each further node would add, and the nodes worth their cost on the cost curve measured at
+the run's batch size go in, best first, whichever row they belong to: a row in repetitive text drafts deep while
+its neighbours draft nothing. Greedy output does not depend on the trees. A sampled row's draws do, and must not
+depend on its neighbours, so a sampling run keeps one size for every row and step (rows may draft fewer nodes). A
+proposer that sizes its own trees (``runtime.proposers.base.sizes_own_tree``) keeps its size at every batch size.
 """
 
 from __future__ import annotations
@@ -49,16 +54,19 @@ from typing import Any
 import torch
 
 from runtime.acceptance import greedy_accept
-from runtime.cost_model import batch_tree_size, cost_curve, pass_overhead_tokens, prefill_groups
+from runtime.cost_model import (ADAPTIVE_MAX_SIZE, batch_tree_size, cost_curve, max_draft_depth,
+                                pass_overhead_tokens, prefill_groups)
 from runtime.decoder import (GenerationResult, Stops, checked_backend, checked_draft, count_depths, drawn_accept,
                              pick_token, prompt_tensor)
 from runtime.kv_cache import KVCache
+from runtime.ragged import RaggedRows
 from runtime.monitor import monitor_for
-from runtime.proposers.base import (NoProposer, Proposer, ProposeInput, extra_rows, observe, propose_rows,
-                                    sizes_own_tree)
+from runtime.proposers.base import (NoProposer, Proposer, ProposeInput, draft_source, drafters, extra_rows,
+                                    observe, propose_rows, sizes_own_tree)
 from runtime.sampling import SamplingParams, new_generator
 from runtime.target import Target
 from runtime.tree import Draft, Tree
+from runtime.tree_sizing import DepthAcceptance, allocate_nodes, probe_step
 
 
 def prefill_inputs(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -128,15 +136,31 @@ class _Row:
     pending: list[int] | None = None  # tokens from the last pass not yet emitted
     extra_logits: torch.Tensor | None = None  # [E, V]: the last pass's logits at this row's extra rows
     recorded: list[tuple[torch.Tensor, ...]] | None = None  # record_layers: (hidden, layer inputs...) per pass
+    acceptance: dict[str, DepthAcceptance] | None = None  # per drafter, where sizes are allocated per pass
+
+
+@dataclass
+class Allocation:
+    """Per-pass tree sizes for a greedy run (``allocate_nodes``): the cost curve at the run's batch size, the
+    drafters' largest trees, and each drafter's acceptance by depth over every row of the run."""
+
+    curve: dict[int, float]
+    largest: dict[str, int]  # drafter -> its largest tree (nodes, root included)
+    acceptance: dict[str, DepthAcceptance]
+
+    def row_acceptance(self) -> dict[str, DepthAcceptance]:
+        """A new row's own acceptance per drafter, pulled towards the run's until it has passes of its own."""
+        return {name: DepthAcceptance(run.prior, parent=run) for name, run in self.acceptance.items()}
 
 
 class BatchedDecoder:
     """Generate for several prompts at once with ``target``, drafting with ``proposer`` (one proposer state per row).
 
-    tree_size: the verified tree's size (nodes, root included) for every row and step; None chooses it for each
-    run from the cost curve measured at the run's batch size (``runtime.cost_model.batch_tree_size``: the size
-    shrinks as the batch grows, to plain decoding where drafting stops paying) and keeps it for the run, so a
-    row's trees never depend on what its neighbours accept. attention and acceptance as in
+    tree_size: the verified tree's size (nodes, root included) for every row and step; None: a greedy run
+    allocates each row's size per pass from the cost curve measured at the run's batch size and each row's
+    acceptance (``runtime.tree_sizing.allocate_nodes``: fewer nodes as the batch grows, none where no row's drafts
+    pay), and a sampling run keeps the one-row size (``runtime.cost_model.batch_tree_size``), so a sampled row's
+    trees never depend on its neighbours. attention and acceptance as in
     ``runtime.decoder.SpeculativeDecoder``. ``stats`` describes the latest run (``BatchStats``). ``monitor``: the
     proposer's rolling depth-1 acceptance over every row of every run, with a warning when it stays far below what
     its head measured in training (``runtime.monitor.AcceptanceMonitor``); a row's own rate is its result's
@@ -169,6 +193,7 @@ class BatchedDecoder:
         else:  # chosen for the batch size of each run (``batch_tree_size``)
             self.tree_size_reason = "chosen per run from the cost curve at its batch size"
         self.tree_size = tree_size
+        self.allocation: Allocation | None = None  # set per greedy run whose sizes are allocated per pass
         self.stats = BatchStats()
         self.monitor = monitor_for(self.proposer)
 
@@ -184,8 +209,14 @@ class BatchedDecoder:
         row.recorded.append(tuple(t.to("cpu", copy=True) for t in (hidden, *layer_hidden)))
 
     def tree_size_report(self) -> dict:
-        """How the tree size was chosen (as ``SpeculativeDecoder.tree_size_report``; the size never changes here)."""
-        return {"reason": self.tree_size_reason}
+        """How the tree size was chosen (as ``SpeculativeDecoder.tree_size_report``), with each drafter's acceptance
+        by depth over the latest run where sizes were allocated per pass."""
+        report: dict = {"reason": self.tree_size_reason}
+        if self.allocation is not None:
+            report["acceptance_by_depth"] = {
+                name: [round(run.rate(d), 3) for d in range(1, len(run.attempts) + 1)]
+                for name, run in self.allocation.acceptance.items()}
+        return report
 
     def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int,
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
@@ -228,6 +259,7 @@ class BatchedDecoder:
     def _run(self, prompts: list[torch.Tensor], max_new_tokens: int, sampling: SamplingParams,
              seeds: list[int] | None, batch_size: int, stops: Stops) -> Iterator[tuple[int, GenerationResult]]:
         self.stats = stats = BatchStats()
+        self.allocation = None
         if not prompts:
             return
         started = time.perf_counter()
@@ -238,10 +270,12 @@ class BatchedDecoder:
             why = getattr(self.proposer, "tree_size_reason", None)
             self.tree_size_reason = (f"{self.tree_size}, the {self.proposer.name} proposer's own size"
                                      + (f" ({why})" if why else ""))
+        elif self.fixed_tree_size is None and self._allocates(sampling):
+            self._start_allocation(width)
         elif self.fixed_tree_size is None:
-            # Greedy output does not depend on the tree, so the size may follow the batch; a sampled row's draws
-            # do, and must not depend on how many rows share its batch: sampling keeps the one-row size.
-            self.tree_size, reason = batch_tree_size(self.target, self.proposer, width if sampling.greedy else 1)
+            # A sampled row's draws depend on its tree, and must not depend on how many rows share its batch:
+            # sampling keeps the one-row size.
+            self.tree_size, reason = batch_tree_size(self.target, self.proposer, 1)
             self.tree_size_reason = f"fixed for this run at {reason}"
         # A run of 1-node trees never drafts, so its passes need not return, nor its rows gather, anything for the
         # proposer to read: the step then costs what plain decoding's does.
@@ -305,6 +339,28 @@ class BatchedDecoder:
             stats.seconds = time.perf_counter() - started
         stats.seconds = time.perf_counter() - started
 
+    def _allocates(self, sampling: SamplingParams) -> bool:
+        """Whether this run's tree sizes are allocated per row and pass: greedy, exact acceptance, a proposer that
+        drafts and does not size its own trees."""
+        return (sampling.greedy and self.acceptance == "exact" and self.proposer.expected_acceptance > 0
+                and not sizes_own_tree(self.proposer))
+
+    def _start_allocation(self, width: int) -> None:
+        """Per-pass sizes for a greedy run of ``width`` rows: the cost curve measured at that batch size (one row:
+        the sizes adaptive sizing considers), each drafter's largest tree, acceptance learnt from the priors."""
+        curve = cost_curve(self.target, width)
+        if width == 1:
+            curve = {size: cost for size, cost in curve.items() if size <= ADAPTIVE_MAX_SIZE}
+        largest, acceptance = {}, {}
+        for name, drafter in drafters(self.proposer).items():
+            depth = max_draft_depth(drafter)
+            largest[name] = max(curve) if depth is None else min(max(curve), depth + 1)
+            acceptance[name] = DepthAcceptance(drafter.expected_acceptance)
+        self.allocation = Allocation(curve, largest, acceptance)
+        self.tree_size = max(largest.values())
+        self.tree_size_reason = (f"up to {self.tree_size}, allocated per row and pass on this machine's cost curve at "
+                                 f"{width} rows from each row's acceptance")
+
     def _prefill(self, cache: KVCache, indices: list[int], prompts: list[torch.Tensor], max_new_tokens: int,
                  sampling: SamplingParams, seeds: list[int] | None) -> list[_Row]:
         """One pass over the prompts ``indices`` (right-padded), into an empty ``cache`` of as many rows; commits each
@@ -335,6 +391,8 @@ class BatchedDecoder:
             history[:length] = prompts[i]
             row = _Row(i, history, length, proposer.start(prompts[i], row_max), generator,
                        GenerationResult([], [], 1, 0.0, "length"), started)
+            if self.allocation is not None:
+                row.acceptance = self.allocation.row_acceptance()
             if proposer.needs_hidden and self.drafting:
                 row.new_hidden = out.hidden[b, :length]
             row.new_layer_hidden = tuple(h[b, :length] for h in out.layer_hidden[:proposer_layers])
@@ -353,8 +411,11 @@ class BatchedDecoder:
         if not self.drafting:  # an EAGLE head would otherwise still run over every verified row
             drafts = [Draft(Tree.chain(int(row.history[row.length - 1]), [], device=device)) for row in rows]
         else:
-            steps = [ProposeInput(row.history[:row.length], row.new_hidden, row.new_layer_hidden, self.tree_size,
-                                  sampling, row.generator, row.extra_logits) for row in rows]
+            sizes, sources = [self.tree_size] * len(rows), [None] * len(rows)
+            if self.allocation is not None:
+                sizes, sources = self._allocate(rows)
+            steps = [ProposeInput(row.history[:row.length], row.new_hidden, row.new_layer_hidden, size, sampling,
+                                  row.generator, row.extra_logits) for row, size in zip(rows, sizes)]
             if greedy and self.draft_together:
                 # Greedy output does not depend on the trees, so a head may draft for all rows in one pass (its
                 # trees can differ by rounding with the batch's shape); a sampled row's draws depend on its tree,
@@ -370,10 +431,11 @@ class BatchedDecoder:
                     drafting = time.perf_counter()
                     proposals.append(proposer.propose(row.state, step))
                     row.result.draft_seconds += time.perf_counter() - drafting
-            drafts = [checked_draft(proposal, proposer, self.tree_size) for proposal in proposals]
+            drafts = [checked_draft(proposal, proposer, size) for proposal, size in zip(proposals, sizes)]
         trees = [draft.tree for draft in drafts]
         batch = len(rows)
-        nodes = max(draft.rows for draft in drafts)
+        counts = [draft.rows for draft in drafts]
+        nodes = max(counts)
         committed = [row.length - 1 for row in rows]  # the root is the last history token, not in the cache yet
         keys = max(committed) + nodes
         tokens = torch.zeros(batch, nodes, dtype=torch.long)
@@ -394,9 +456,21 @@ class BatchedDecoder:
             padding = torch.arange(used, nodes)
             mask[b, 0, padding, start + padding] = True
             key_positions[b, start:start + nodes] = positions[b]
+        # Rows of different sizes go packed: padding tokens would cost real tokens' arithmetic in every linear layer
+        # (a row drafting a deep tree would make every other row pay for its depth); attention still sees them
+        # padded, each row over its own keys (``runtime.ragged``).
+        ragged = None
+        if sum(counts) < batch * nodes:
+            real = torch.arange(nodes)[None, :] < torch.tensor(counts)[:, None]  # [B, N]
+            tokens, positions = tokens[real][None], positions[real][None]
+            ragged = RaggedRows.from_counts(counts, positions[0].to(device))
         out = target.forward(tokens.to(device), positions.to(device), cache, mask.to(device),
                              hidden_layers=self.pass_layers, backend=self.attention,
-                             prefix_len=min(committed), key_positions=key_positions.to(device))
+                             prefix_len=min(committed), key_positions=key_positions.to(device), ragged=ragged)
+        # each row's outputs [n_b, ...]: its slice of the packed pass, or its padded row
+        spans = ragged.row_slices() if ragged is not None else [slice(0, nodes)] * batch
+        lead = [0] * batch if ragged is not None else list(range(batch))
+        logits = [out.logits[b, span] for b, span in zip(lead, spans)]
         proposer_layers = len(self.proposer_layers)
         reads_hidden = proposer.needs_hidden and self.drafting
         argmax = out.logits.argmax(-1).cpu() if greedy else None
@@ -405,18 +479,21 @@ class BatchedDecoder:
             tree_tokens, parents, ancestors = cpu_trees[b]
             size = tree.size
             if greedy:
-                paths.append(greedy_accept(tree_tokens, parents, ancestors, argmax[b, :size]))
+                paths.append(greedy_accept(tree_tokens, parents, ancestors, argmax[lead[b], spans[b]][:size]))
                 continue
-            paths.append(drawn_accept(tree, out.logits[b, :size], sampling, self.acceptance, row.generator))
+            paths.append(drawn_accept(tree, logits[b][:size], sampling, self.acceptance, row.generator))
         kept = max(len(path) for path, _ in paths)
         keep = torch.zeros(batch, kept, dtype=torch.long)
         for b, (path, _) in enumerate(paths):
             keep[b, :len(path)] = torch.tensor(path)
         cache.compact(keep.to(device), torch.tensor([len(path) for path, _ in paths], device=device))
         for b, (row, tree, (path, bonus)) in enumerate(zip(rows, trees, paths)):
-            row.extra_logits = out.logits[b, tree.size:drafts[b].rows] if drafts[b].extra_count else None
+            row.extra_logits = logits[b][tree.size:drafts[b].rows] if drafts[b].extra_count else None
             if self.drafting:
-                observe(proposer, row.state, row.history[:row.length], tree, out.logits[b, :tree.size])
+                observe(proposer, row.state, row.history[:row.length], tree, logits[b][:tree.size])
+                if self.allocation is not None:
+                    for learner in (row.acceptance[sources[b]], self.allocation.acceptance[sources[b]]):
+                        learner.observe(tree.max_depth, len(path) - 1)
             result = row.result
             result.target_forwards += 1
             result.tree_sizes.append(tree.size)
@@ -424,12 +501,26 @@ class BatchedDecoder:
             self.monitor.observe(tree.max_depth, len(path) - 1)
             row.pending = cpu_trees[b][0][path[1:]].tolist() + [bonus]
             if reads_hidden or proposer_layers or row.recorded is not None:
-                index = torch.tensor(path, device=device)
-                row.new_hidden = out.hidden[b, index] if reads_hidden else None
-                row.new_layer_hidden = tuple(h[b, index] for h in out.layer_hidden[:proposer_layers])
+                index = torch.tensor(path, device=device) + spans[b].start
+                hidden = out.hidden[lead[b], index]
+                layer_hidden = tuple(h[lead[b], index] for h in out.layer_hidden)
+                row.new_hidden = hidden if reads_hidden else None
+                row.new_layer_hidden = layer_hidden[:proposer_layers]
                 if row.recorded is not None:
-                    self._record(row, out.hidden[b, index],
-                                 tuple(h[b, index] for h in out.layer_hidden[proposer_layers:]))
+                    self._record(row, hidden, layer_hidden[proposer_layers:])
+
+
+    def _allocate(self, rows: list[_Row]) -> tuple[list[int], list[str]]:
+        """(each row's tree size for this pass, the drafter that drafts it), from each row's acceptance with that
+        drafter (``allocate_nodes``)."""
+        allocation = self.allocation
+        sources = [draft_source(self.proposer, row.state, row.history[:row.length]) for row in rows]
+        gains = [row.acceptance[source].reach(allocation.largest[source] - 1) for row, source in zip(rows, sources)]
+        sizes = allocate_nodes(gains, allocation.curve)
+        # Now and then a row drafts one node more than its estimate pays for: acceptance is learnt only from nodes
+        # drafted, so a row whose estimate once fell below the cost would otherwise never draft again.
+        return [min(size + 1, allocation.largest[source]) if probe_step(row.result.target_forwards) else size
+                for row, size, source in zip(rows, sizes, sources)], sources
 
 
 def recorded_features(recorded: list[tuple[torch.Tensor, ...]], layers: tuple[int, ...],

@@ -179,6 +179,11 @@ def best_tree_size(curve: dict[int, float], acceptance: float) -> int:
     return max(curve, key=lambda size: expected_tokens(size, acceptance) / curve[size])
 
 
+def max_draft_depth(proposer) -> int | None:
+    """The deepest node ``proposer`` drafts (its ``depth`` or ``max_depth``), or None where it does not say."""
+    return getattr(proposer, "depth", None) or getattr(proposer, "max_depth", None)
+
+
 def adaptive_sizer(target: Target, proposer) -> TreeSizer | None:
     """A TreeSizer for ``proposer`` on ``target``, starting at the proposer's measured size when it has one; None
     for a proposer that never drafts (plain decoding)."""
@@ -186,7 +191,7 @@ def adaptive_sizer(target: Target, proposer) -> TreeSizer | None:
         return None
     curve = {size: cost for size, cost in cost_curve(target).items() if size <= ADAPTIVE_MAX_SIZE}
     return TreeSizer(curve, proposer.expected_acceptance, start=proposer.tree_size,
-                     max_depth=getattr(proposer, "depth", None) or getattr(proposer, "max_depth", None))
+                     max_depth=max_draft_depth(proposer))
 
 
 def adaptive_sizers(target: Target, drafters: dict) -> dict[str, TreeSizer]:

@@ -9,7 +9,11 @@ buffer but beyond the row's length, so no mask ever lets them be read again.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
+
+from runtime.ragged import RaggedRows
 
 
 def compact_kv(kv: torch.Tensor, lengths: torch.Tensor, keep: torch.Tensor, n_keep: torch.Tensor) -> None:
@@ -51,6 +55,7 @@ class KVCache:
         # both kept in step with `lengths` (``_lengths_changed``).
         self._max_len = 0
         self._index: tuple[int, torch.Tensor | None] | None = None
+        self._ragged: tuple[RaggedRows, torch.Tensor] | None = None  # set for one packed pass (``packed``)
 
     @property
     def num_layers(self) -> int:
@@ -61,13 +66,15 @@ class KVCache:
         return self._max_len
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Write [B, Hkv, T, D] at each row's length; return keys/values [B, Hkv, max_len + T, D]."""
-        new = key_states.shape[2]
+        """Write [B, Hkv, T, D] at each row's length; return keys/values [B, Hkv, max_len + T, D]. Inside
+        ``packed(ragged)`` the new entries come packed, [1, Hkv, T', D] for T' tokens of ragged rows, and row b's
+        go to its slots ``length_b .. length_b + n_b - 1``; keys/values are then [B, Hkv, max_len + N, D]."""
+        new = key_states.shape[2] if self._ragged is None else self._ragged[0].width
         end = self._max_len + new
         if end > self.max_length:
             raise ValueError(f"KV cache overflow: {end} positions needed, {self.max_length} allocated")
         layer = self.kv[layer_idx]
-        index = self._write_index(new)
+        index = self._write_index(new) if self._ragged is None else self._ragged[1]
         if index is None:
             start = self._max_len
             layer[0, :, :, start:end] = key_states
@@ -95,6 +102,21 @@ class KVCache:
         self._index = (new, index)
         return index
 
+    @contextmanager
+    def packed(self, ragged: RaggedRows):
+        """Take the next pass's new entries packed (``runtime.ragged``): row b's n_b entries are written at its own
+        length, as a padded pass would write them, without the padding."""
+        batch, heads, length = self.kv.shape[2], self.kv.shape[3], self.kv.shape[4]
+        if ragged.batch != batch:
+            raise ValueError(f"a ragged pass of {ragged.batch} rows over a cache of {batch}")
+        slots = self.lengths[ragged.rows] + ragged.offsets  # [T]
+        base = (ragged.rows[None, :] * heads + torch.arange(heads, device=slots.device)[:, None]) * length
+        self._ragged = (ragged, (base + slots[None, :]).reshape(-1))  # [Hkv * T]: key_states' (head, token) order
+        try:
+            yield self
+        finally:
+            self._ragged = None
+
     def _lengths_changed(self) -> None:
         self._max_len = int(self.lengths.max()) if self.lengths.numel() else 0
         self._index = None
@@ -120,6 +142,7 @@ class KVCache:
         view.is_compileable = False
         view._max_len = 0
         view._index = None
+        view._ragged = None
         return view
 
     def set_row_length(self, index: int, length: int) -> None:

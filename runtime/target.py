@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +22,7 @@ from runtime import attention
 from runtime.assets import SMOLLM2_GGUF, cache_dir, packaged_file
 from runtime.decode_layers import DecodeLayers
 from runtime.kv_cache import KVCache
+from runtime.ragged import RaggedRows
 
 DEFAULT_TARGET = "smollm2-135m"
 ALIASES = {"smollm2-135m": SMOLLM2_GGUF, "smollm2-135m-instruct": SMOLLM2_GGUF}
@@ -209,7 +210,7 @@ class Target:
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
                 attention_mask: torch.Tensor | None, *, logits_from: int = 0, hidden_layers: tuple[int, ...] = (),
                 backend: str = "sdpa", prefix_len: int | None = None,
-                key_positions: torch.Tensor | None = None) -> TargetOutput:
+                key_positions: torch.Tensor | None = None, ragged: RaggedRows | None = None) -> TargetOutput:
         """Run new tokens through the target; writes their K/V into ``cache`` (uncommitted).
 
         input_ids, position_ids: [B, T]; attention_mask: [B, 1, T, S] bool over cache slots (S = cache's max
@@ -218,11 +219,15 @@ class Target:
         whose inputs are returned (layer i's input is hidden_states[i]). ``key_positions`` [B, S]: the position each
         key slot holds, for sliding-window layers when rows have different committed lengths (by default slot j of
         the committed cache holds position j and the pass's own entries come last; ``sliding_window_mask``).
+        ``ragged``: the rows' tokens come packed, input_ids and position_ids [1, T'] (``runtime.ragged``), while the
+        mask is the padded [B, 1, N, S]; outputs are then packed too ([1, T', ...]).
         """
         if prefix_len is None and backend == "cascade":  # the committed cache, which every new row sees whole
             prefix_len = int(cache.lengths.min())
         extra = {} if key_positions is None else {"key_positions": key_positions}
-        with self._runtime_layers():
+        if ragged is not None:
+            extra["ragged"] = ragged
+        with self._runtime_layers(), (nullcontext() if ragged is None else cache.packed(ragged)):
             outputs = self.backbone(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                                     use_cache=True, **cache_argument(self.backbone, cache),
                                     output_hidden_states=bool(hidden_layers), tree_backend=backend,

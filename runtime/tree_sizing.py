@@ -14,7 +14,9 @@ Pure bookkeeping: no timing or model calls here; the decoder reports what happen
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -28,6 +30,9 @@ class DepthAcceptance:
     prior_weight: float = 8.0
     attempts: list[int] = field(default_factory=list)
     accepts: list[int] = field(default_factory=list)
+    # where given, its rate at each depth is the prior instead of ``prior`` (one batch row's own acceptance, pulled
+    # towards what every row of its run gets accepted until it has seen enough of its own)
+    parent: DepthAcceptance | None = None
 
     def observe(self, drafted_depth: int, accepted_depth: int) -> None:
         """One verification: the tree reached ``drafted_depth``; the accepted path has ``accepted_depth`` drafts."""
@@ -41,7 +46,16 @@ class DepthAcceptance:
     def rate(self, depth: int) -> float:
         tried = self.attempts[depth - 1] if depth <= len(self.attempts) else 0
         taken = self.accepts[depth - 1] if depth <= len(self.accepts) else 0
-        return (taken + self.prior * self.prior_weight) / (tried + self.prior_weight)
+        prior = self.prior if self.parent is None else self.parent.rate(depth)
+        return (taken + prior * self.prior_weight) / (tried + self.prior_weight)
+
+    def reach(self, depth: int) -> list[float]:
+        """[P(a chain's node at depth d is accepted) for d = 1 .. depth]: the tokens each deeper node adds."""
+        found, reach = [], 1.0
+        for d in range(1, depth + 1):
+            reach *= self.rate(d)
+            found.append(reach)
+        return found
 
     def expected_tokens(self, depth: int) -> float:
         """Tokens a pass emits when the tree reaches ``depth``: 1 + a1 + a1 a2 + ... (the bonus token included)."""
@@ -138,9 +152,7 @@ class TreeSizer:
         return size
 
     def _probe_step(self, step: int) -> bool:
-        if not self.probe_every:
-            return False
-        return step in (4, 8, 16) if step < self.probe_every else step % self.probe_every == 0
+        return probe_step(step, self.probe_every)
 
     def observe(self, size: int, drafted_depth: int, accepted_depth: int, seconds: float | None = None) -> None:
         """What a step of ``size`` tokens gave: its tree's depth, the accepted drafts and (optionally) the seconds
@@ -157,6 +169,14 @@ class TreeSizer:
                 "acceptance_by_depth": [round(self.acceptance.rate(d), 3) for d in range(1, depths + 1)]}
 
 
+def probe_step(step: int, every: int = 32) -> bool:
+    """Whether step ``step`` (counting from 1) probes a size other than the best: steps 4, 8 and 16, then every
+    ``every``th (never when ``every`` is 0)."""
+    if not every:
+        return False
+    return step in (4, 8, 16) if step < every else step % every == 0
+
+
 def interpolated_cost(curve: dict[int, float], size: int) -> float:
     """The cost of a pass of ``size`` rows on ``curve`` ({rows: cost relative to one row}): linear between the
     measured sizes, proportional past the largest, the smallest's cost below it."""
@@ -170,3 +190,30 @@ def interpolated_cost(curve: dict[int, float], size: int) -> float:
         return curve[below]
     weight = (size - below) / (upper - below)
     return curve[below] * (1 - weight) + curve[upper] * weight
+
+
+def allocate_nodes(gains: Sequence[Sequence[float]], curve: dict[int, float]) -> list[int]:
+    """Tree sizes (nodes, root included) for the B rows of one packed pass (``runtime.ragged``), which costs
+    ``curve`` at R total nodes: {nodes per row: cost of a pass of B rows of that many, relative to one each},
+    interpolated at R / B.
+
+    gains[b]: the tokens row b's 1st, 2nd, ... draft node adds (``DepthAcceptance.reach``: non-increasing). Nodes
+    are added best first, whichever row they belong to, while they raise the pass's expected tokens per unit of
+    cost; each row gets at most len(gains[b]) drafts. A row whose drafts are likely right gets a deep tree and one
+    whose drafts are not gets none, so the pass pays only for nodes worth their cost at this batch size.
+    """
+    batch = len(gains)
+    sizes = [1] * batch
+    tokens, cost = float(batch), interpolated_cost(curve, 1)
+    waiting = [(-row_gains[0], b) for b, row_gains in enumerate(gains) if row_gains]
+    heapq.heapify(waiting)
+    while waiting:
+        gain, b = heapq.heappop(waiting)
+        more = interpolated_cost(curve, (sum(sizes) + 1) / batch)
+        if (tokens - gain) * cost <= tokens * more:  # (tokens + gain) / more <= tokens / cost: it does not pay
+            break
+        sizes[b] += 1
+        tokens, cost = tokens - gain, more
+        if sizes[b] - 1 < len(gains[b]):
+            heapq.heappush(waiting, (-gains[b][sizes[b] - 1], b))
+    return sizes

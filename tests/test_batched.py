@@ -437,9 +437,9 @@ def verified_alone(target, history: torch.Tensor, tree: Tree) -> torch.Tensor:
 @pytest.mark.parametrize("arch,attention", [("llama", "sdpa"), ("mistral", "sdpa"), ("mistral", "cascade"),
                                             ("gemma2", "sdpa")])
 def test_one_pass_gives_every_row_its_own_logits(arch, attention, monkeypatch):
-    """Rows of different committed lengths and trees of different sizes and shapes (padded to the largest) in one
-    pass: every real node gets the logits it gets verified alone, past a sliding window too (a chain deeper than the
-    window in a row a few slots shorter than the longest), and every output of the pass, padding included, is
+    """Rows of different committed lengths and trees of different sizes and shapes (packed: no padding token is
+    computed) in one pass: every real node gets the logits it gets verified alone, past a sliding window too (a
+    chain deeper than the window in a row a few slots shorter than the longest), and every output of the pass is
     finite."""
     target = target_for(arch)
     generator = torch.Generator().manual_seed(0)
@@ -465,12 +465,14 @@ def test_one_pass_gives_every_row_its_own_logits(arch, attention, monkeypatch):
         histories = [row.history[:row.length].clone() for row in rows]
         decoder._step(rows, cache, SamplingParams())
     verify = outputs[-1]
-    assert verify.hidden.shape[:2] == (len(prompts), 8) and torch.isfinite(verify.hidden).all()
+    sizes = [len(parents) + 1 for parents, _ in shapes]
+    assert verify.hidden.shape[:2] == (1, sum(sizes)) and torch.isfinite(verify.hidden).all()
     for b, history in enumerate(histories):
         tree = FixedTrees(shapes).propose(b, ProposeInput(history, None, (), 8, SamplingParams(), None))
         with torch.inference_mode():
             alone = verified_alone(target, history[:-1], tree)
-        torch.testing.assert_close(verify.logits[b, :tree.size], alone, atol=1e-5, rtol=1e-5,
+        start = sum(sizes[:b])
+        torch.testing.assert_close(verify.logits[0, start:start + tree.size], alone, atol=1e-5, rtol=1e-5,
                                    msg=lambda text, row=b: f"row {row}: {text}")
         assert int(cache.lengths[b]) == history.numel() - 1 + len(rows[b].pending)
 

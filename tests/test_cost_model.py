@@ -120,8 +120,8 @@ def test_timings_wait_for_the_device(monkeypatch):
 
 
 def test_the_batched_tree_size_follows_the_cost_curve_at_the_batch_size(monkeypatch):
-    """Many rows make extra tree nodes dearer: the size shrinks with the batch, to plain decoding where drafting no
-    longer pays (measured curves, here hand-built); sampled rows keep the one-row size so that their draws do not
+    """Many rows make extra tree nodes dearer: greedy rows draft fewer nodes as the batch grows (measured curves,
+    here hand-built), allocated per row and pass; sampled rows keep the one-row size so that their draws do not
     depend on how many rows share the batch."""
     import runtime.cost_model
     from runtime.batched import BatchedDecoder
@@ -129,19 +129,48 @@ def test_the_batched_tree_size_follows_the_cost_curve_at_the_batch_size(monkeypa
     from runtime.target import target_from_model
     from tests.conftest import tiny_model
 
-    curves = {1: {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3}, 2: {1: 1.0, 2: 1.1, 4: 1.45, 8: 2.0},
-              4: {1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5}}
+    curves = {1: {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3}, 4: {1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5}}
     monkeypatch.setattr(runtime.cost_model, "cost_curve", lambda target, batch_size=1: curves[batch_size])
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=64), identity="tiny")
     decoder = BatchedDecoder(target, NgramProposer())  # prior acceptance 0.45
-    prompts = [[1, 2, 3, 1, 2, 3]] * 4
-    chosen = {}
-    for rows in (1, 2, 4):
-        decoder.generate(prompts, 4, batch_size=rows)
-        chosen[rows] = decoder.tree_size
-    assert chosen == {1: 4, 2: 2, 4: 1} and "drafting does not pay" in decoder.tree_size_reason
+    prompts = [[1, 2, 3, 1, 2, 3], [4, 5, 6, 7], [9, 9, 9, 9, 9], [3, 1, 3, 1]]
+    mean_size = {}
+    for rows in (1, 4):
+        results = decoder.generate(prompts, 12, batch_size=rows)
+        sizes = [size for result in results for size in result.tree_sizes]
+        mean_size[rows] = sum(sizes) / len(sizes)
+        assert "allocated per row and pass" in decoder.tree_size_reason
+        assert decoder.tree_size_report()["acceptance_by_depth"]["ngram"]
+    assert mean_size[4] < mean_size[1]
     decoder.generate(prompts, 4, batch_size=4, temperature=1.0, seeds=[0, 1, 2, 3])
-    assert decoder.tree_size == 4
+    assert decoder.tree_size == 4 and decoder.allocation is None
+
+
+def test_nodes_go_where_they_pay_by_hand():
+    from runtime.tree_sizing import allocate_nodes
+
+    # 16 rows; one more node per row costs 0.6 of a pass of one each, so a node pays while what it adds exceeds
+    # 16 * 0.6 / 16 = 0.6 tokens (a little more as the pass's tokens grow)
+    curve = {1: 1.0, 2: 1.6, 4: 2.8, 8: 5.2}
+    gains = [[0.9, 0.8, 0.7], [0.3, 0.1], [0.7, 0.5]] + [[0.2]] * 13
+    assert allocate_nodes(gains, curve) == [4, 1, 2] + [1] * 13
+    # two rows where extra nodes are nearly free: every node drafted goes in, up to each row's drafts
+    assert allocate_nodes([[0.9, 0.8, 0.7], [0.3, 0.1]], {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3}) == [4, 3]
+    assert allocate_nodes([[], [0.2]], {1: 1.0, 2: 1.0}) == [1, 2]  # a row without drafts stays at its root
+
+
+def test_a_rows_acceptance_leans_on_its_runs_until_it_has_its_own():
+    from runtime.tree_sizing import DepthAcceptance
+
+    run = DepthAcceptance(0.5)
+    for _ in range(40):
+        run.observe(2, 2)  # the run's rows get both depths accepted
+    row = DepthAcceptance(0.5, parent=run)
+    assert row.rate(1) == pytest.approx(run.rate(1))
+    for _ in range(40):
+        row.observe(2, 0)  # this row gets nothing accepted
+    assert row.rate(1) < 0.3 < 0.9 < run.rate(1)
+    assert row.reach(2) == pytest.approx([row.rate(1), row.rate(1) * row.rate(2)])
 
 
 def test_pass_overhead_from_the_curves_largest_sizes():
