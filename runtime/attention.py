@@ -34,8 +34,10 @@ DECODE_KERNEL_HEAD_SIZES = (64, 128)
 MAX_REFERENCE_SCORES = 1 << 26
 
 
-def sdpa_attention(query, key, value, mask, scale: float) -> torch.Tensor:
-    """SDPA over a boolean mask (None = causal when T == S). Returns [B, H, T, D]."""
+def sdpa_attention(query, key, value, mask, scale: float, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA over a boolean mask (None = causal when T == S). Returns [B, H, T, D]. ``counts`` [B]: batch row b's
+    query rows from counts[b] on are padding, which the decode kernel skips (their output is then zero; elsewhere
+    they are computed like any row)."""
     rows = query.shape[2]
     causal = mask is None and rows > 1
     if (not causal and rows <= DECODE_KERNEL_MAX_ROWS and query.device.type == "cpu"
@@ -43,7 +45,7 @@ def sdpa_attention(query, key, value, mask, scale: float) -> torch.Tensor:
             and query.shape[-1] in DECODE_KERNEL_HEAD_SIZES and not torch.is_grad_enabled()
             and (kernel := decode_attention()) is not None):
         # [B, T, H, D] underneath: the caller's transpose back to that layout is then free
-        return kernel(query, key, value, mask, scale).transpose(1, 2)
+        return kernel(query, key, value, mask, scale, counts).transpose(1, 2)
     gqa = query.shape[1] != key.shape[1]
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scale,
                                           enable_gqa=gqa)
@@ -176,10 +178,11 @@ def cascade_attention(query, key, value, mask, scale: float, prefix_len: int,
 
 
 def tree_attention(query, key, value, mask, scale: float, backend: str = "sdpa",
-                   prefix_len: int | None = None) -> torch.Tensor:
-    """Dispatch to one backend. Returns [B, H, T, D]."""
+                   prefix_len: int | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Dispatch to one backend. Returns [B, H, T, D]; ``counts`` [B] (padding query rows past them need no output)
+    as in ``sdpa_attention``."""
     if backend == "sdpa":
-        return sdpa_attention(query, key, value, mask, scale)
+        return sdpa_attention(query, key, value, mask, scale, counts)
     if backend == "flex":
         return flex_attention(query, key, value, mask, scale)
     if backend == "cascade":
@@ -235,7 +238,7 @@ def transformers_attention_forward(module, query, key, value, attention_mask, dr
                                    scaling: float | None = None, tree_backend: str = "sdpa",
                                    prefix_len: int | None = None, sliding_window: int | None = None,
                                    softcap: float | None = None, key_positions: torch.Tensor | None = None,
-                                   ragged=None, **kwargs):
+                                   ragged=None, query_counts: torch.Tensor | None = None, **kwargs):
     """The function transformers' attention modules call (registered as ``ATTN_IMPLEMENTATION``).
 
     The backend and prefix length arrive as forward kwargs, so they flow through arguments, not model state. A
@@ -250,7 +253,8 @@ def transformers_attention_forward(module, query, key, value, attention_mask, dr
     if ragged is not None:
         out, _ = transformers_attention_forward(module, ragged.pad(query, 2), key, value, attention_mask, dropout,
                                                 scaling, tree_backend, prefix_len, sliding_window, softcap,
-                                                key_positions, **{**kwargs, "position_ids": ragged.positions})
+                                                key_positions, query_counts=ragged.counts,
+                                                **{**kwargs, "position_ids": ragged.positions})
         return ragged.pack(out), None
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise ValueError("this attention has sinks (s_aux: learnt per-head logits beside the keys), which the tree "
@@ -272,7 +276,7 @@ def transformers_attention_forward(module, query, key, value, attention_mask, dr
         out, _ = attention_with_lse(query, key, value, attention_mask, scale, softcap)
         out = out.to(query.dtype)
     else:
-        out = tree_attention(query, key, value, attention_mask, scale, tree_backend, prefix_len)
+        out = tree_attention(query, key, value, attention_mask, scale, tree_backend, prefix_len, query_counts)
     return out.transpose(1, 2).contiguous(), None
 
 

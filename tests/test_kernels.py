@@ -77,9 +77,9 @@ def dot_kernel_or_skip():
     return kernel
 
 
-# rows across the 8-row blocks and the 32-row limit; K that is a multiple of 32, one that is not (the masked tail),
+# rows across the 8-row blocks (a last block of 1 or 2 rows after full ones) and the 32-row limit; K that is a multiple of 32, one that is not (the masked tail),
 # one shorter than a vector; N not a multiple of the weight rows per block
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 33])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 18, 33])
 @pytest.mark.parametrize("n, k", [(37, 64), (576, 576), (300, 100), (7, 20)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_dot_linear_equals_fp32_product_then_one_rounding(rows, n, k, with_bias):
@@ -200,6 +200,21 @@ def test_decode_attention_takes_batches_no_mask_and_gives_zeros_where_nothing_is
     torch.testing.assert_close(one, F.scaled_dot_product_attention(
         query[:, :, :1].float(), key.float(), value.float(), scale=0.125, enable_gqa=True).transpose(1, 2),
         rtol=2 ** -8, atol=1e-5)
+
+
+def test_decode_attention_skips_padding_rows_and_keeps_the_others_bit_identical():
+    """Rows of different lengths laid out side by side (a packed pass's attention): past counts[b], batch row b's
+    query rows are padding, not computed (zero output); the real rows are what the kernel gives without counts."""
+    kernel = built_or_fail(decode_attention)
+    query, key, value, mask = cache_like_case(5, 40, 64, batch=3, heads=9, kv_heads=3, seed=4)
+    counts = torch.tensor([5, 1, 3])
+    got = kernel(query, key, value, mask, 0.125, counts)
+    full = kernel(query, key, value, mask, 0.125)
+    for b, count in enumerate(counts.tolist()):
+        assert torch.equal(got[b, :count], full[b, :count]), f"batch row {b}"
+        assert not got[b, count:].any()
+    with pytest.raises(RuntimeError, match="counts between 1"):
+        kernel(query, key, value, mask, 0.125, torch.tensor([5, 0, 3]))
 
 
 def test_decode_attention_rejects_what_it_cannot_take():

@@ -124,8 +124,10 @@ def bf16_dot_linear() -> Callable[..., torch.Tensor] | None:
 
 @functools.cache
 def decode_attention() -> Callable[..., torch.Tensor] | None:
-    """(query [B, H, T, D] bf16, key/value [B, Hkv, S, D] bf16, mask [B or 1, 1, T, S] bool or None, scale) ->
-    out [B, T, H, D] bf16, for 1-16 query rows and head size 64 or 128 (last dimensions contiguous), or None.
+    """(query [B, H, T, D] bf16, key/value [B, Hkv, S, D] bf16, mask [B or 1, 1, T, S] bool or None, scale,
+    counts [B] or None) -> out [B, T, H, D] bf16, for 1-16 query rows and head size 64 or 128 (last dimensions
+    contiguous), or None. ``counts``: batch row b has counts[b] query rows, the rest are padding, not computed (zero
+    output).
 
     Scores, softmax and the weighted sum are fp32 over the bf16 values, with one rounding at the end; the reference it
     is tested against is fp32 SDPA over the same values. A row that may attend to nothing gets zeros.

@@ -14,7 +14,9 @@
 #include "bf16_linear.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -64,20 +66,39 @@ inline void dot_block(const uint16_t* x, const uint16_t* w, int64_t K, float* ou
 }
 
 // Weight rows [begin, end) against ROWS input rows, WROWS weight rows at a time (at most 24 accumulators of the 32
-// registers, the rest for the operands). One or two rows are bound by memory, and one weight row at a time, read in
-// order, measured faster there than several side by side (scripts/bench_bf16_rows.py --rows 1).
-template <int ROWS>
+// registers, the rest for the operands).
+template <int ROWS, int WROWS>
 void dot_rows(const uint16_t* x, const uint16_t* w, int64_t K, float* out, int64_t out_stride, int64_t begin,
               int64_t end) {
-  constexpr int WROWS = ROWS <= 2 ? 1 : (ROWS <= 4 ? 6 : 3);
   int64_t n = begin;
   for (; n + WROWS <= end; n += WROWS) dot_block<ROWS, WROWS>(x, w + n * K, K, out + n, out_stride);
   for (; n < end; ++n) dot_block<ROWS, 1>(x, w + n * K, K, out + n, out_stride);
 }
 
+// Weight rows side by side for a block of ROWS rows whose chunk is already in cache (a block after the first):
+// enough independent accumulators to keep the dot products busy.
+template <int ROWS>
+constexpr int kCachedWeightRows = ROWS <= 4 ? 6 : 3;
+// ... and for the only block of a call, which streams the chunk from memory: one or two rows are bound by memory,
+// and one weight row at a time, read in order, measured faster there than several side by side
+// (scripts/bench_bf16_rows.py --rows 1).
+template <int ROWS>
+constexpr int kStreamingWeightRows = ROWS <= 2 ? 1 : kCachedWeightRows<ROWS>;
+
 using DotRows = void (*)(const uint16_t*, const uint16_t*, int64_t, float*, int64_t, int64_t, int64_t);
-constexpr DotRows kDotRows[kRowBlock + 1] = {nullptr, dot_rows<1>, dot_rows<2>, dot_rows<3>, dot_rows<4>,
-                                             dot_rows<5>, dot_rows<6>, dot_rows<7>, dot_rows<8>};
+template <int... ROWS>
+constexpr std::array<DotRows, kRowBlock + 1> streaming_table(std::integer_sequence<int, ROWS...>) {
+  return {nullptr, dot_rows<ROWS + 1, kStreamingWeightRows<ROWS + 1>>...};
+}
+template <int... ROWS>
+constexpr std::array<DotRows, kRowBlock + 1> cached_table(std::integer_sequence<int, ROWS...>) {
+  return {nullptr, dot_rows<ROWS + 1, kCachedWeightRows<ROWS + 1>>...};
+}
+constexpr auto kStreaming = streaming_table(std::make_integer_sequence<int, kRowBlock>{});
+// A call of more than kRowBlock rows ends in a block of 1-7 rows (a packed pass of ragged rows: 17 rows are 8 + 8 + 1),
+// which reads the chunk the blocks before it brought into cache: one weight row at a time there would leave it bound
+// on the latency of a single chain of dot products.
+constexpr auto kCached = cached_table(std::make_integer_sequence<int, kRowBlock>{});
 
 }  // namespace
 
@@ -103,8 +124,9 @@ torch::Tensor bf16_dot_linear(const torch::Tensor& x, const torch::Tensor& weigh
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t chunk = begin; chunk < end; chunk += kChunkRows) {
       const int64_t stop = std::min(end, chunk + kChunkRows);
+      const auto& table = M > kRowBlock ? kCached : kStreaming;
       for (int64_t m = 0; m < M; m += kRowBlock)
-        kDotRows[std::min(kRowBlock, M - m)](xp + m * K, wp, K, product.data() + m * N, N, chunk, stop);
+        table[std::min(kRowBlock, M - m)](xp + m * K, wp, K, product.data() + m * N, N, chunk, stop);
     }
     round_rows(product.data(), bp, op, M, N, begin, end);
   });

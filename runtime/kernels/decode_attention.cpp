@@ -192,9 +192,12 @@ void attend_rows(const uint16_t* const* q_rows, const bool* const* mask_rows, in
 }  // namespace
 
 // query [B, H, T, D], key/value [B, Hkv, S, D] (bf16, last dimension contiguous, H a multiple of Hkv), mask
-// [B or 1, 1, T, S] bool (True = may attend) or None (every key) -> [B, T, H, D] bf16 contiguous.
+// [B or 1, 1, T, S] bool (True = may attend) or None (every key), counts [B] int64 or None -> [B, T, H, D] bf16
+// contiguous. With counts, batch row b's query rows from counts[b] on are padding (rows of different lengths laid
+// out side by side): they are not computed, and their output is zero.
 torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
-                               const c10::optional<torch::Tensor>& mask, double scale) {
+                               const c10::optional<torch::Tensor>& mask, double scale,
+                               const c10::optional<torch::Tensor>& counts) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "expected 4D query, key and value");
   TORCH_CHECK(query.scalar_type() == torch::kBFloat16 && key.scalar_type() == torch::kBFloat16 &&
                   value.scalar_type() == torch::kBFloat16, "expected bfloat16 query, key and value");
@@ -218,7 +221,15 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
     ms = {mask->size(0) == 1 ? 0 : mask->stride(0), 0, mask->stride(2)};
     ms_s = mask->stride(3);
   }
-  auto out = torch::empty({B, T, H, D}, query.options());
+  torch::Tensor rows_of;
+  if (counts.has_value()) {
+    rows_of = counts->to(torch::kLong).contiguous();
+    TORCH_CHECK(rows_of.dim() == 1 && rows_of.size(0) == B, "expected counts [B]");
+    TORCH_CHECK(rows_of.min().item<int64_t>() >= 1 && rows_of.max().item<int64_t>() <= T,
+                "expected counts between 1 and the query rows");
+  }
+  const int64_t* cp = rows_of.defined() ? rows_of.data_ptr<int64_t>() : nullptr;
+  auto out = cp == nullptr ? torch::empty({B, T, H, D}, query.options()) : torch::zeros({B, T, H, D}, query.options());
   const Strides qs{query.stride(0), query.stride(1), query.stride(2)};
   const Strides ks{key.stride(0), key.stride(1), key.stride(2)};
   const Strides vs{value.stride(0), value.stride(1), value.stride(2)};
@@ -247,15 +258,16 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
     uint16_t* out_rows[kMaxTaskRows];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / tasks_per_row, first = (task % tasks_per_row) * heads, g = first / group;
+      const int64_t rows = cp == nullptr ? T : cp[b];
       for (int64_t i = 0; i < heads; ++i) {
-        for (int64_t t = 0; t < T; ++t) {
-          const int64_t r = i * T + t, h = first + i;
+        for (int64_t t = 0; t < rows; ++t) {
+          const int64_t r = i * rows + t, h = first + i;
           q_rows[r] = qp + b * qs.b + h * qs.h + t * qs.t;
           mask_rows[r] = mp == nullptr ? nullptr : mp + b * ms.b + t * ms.t;
           out_rows[r] = op + ((b * T + t) * H + h) * D;
         }
       }
-      attend(q_rows, mask_rows, ms_s, out_rows, heads * T, kp + b * ks.b + g * ks.h, vp + b * vs.b + g * vs.h,
+      attend(q_rows, mask_rows, ms_s, out_rows, heads * rows, kp + b * ks.b + g * ks.h, vp + b * vs.b + g * vs.h,
              ks.t, vs.t, S, qk_scale, scores.data());
     }
   });
@@ -264,8 +276,8 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
-        "query [B, H, T, D] bf16 over key/value [B, Hkv, S, D] bf16 with a bool mask [B|1, 1, T, S] or None -> "
-        "[B, T, H, D] bf16",
+        "query [B, H, T, D] bf16 over key/value [B, Hkv, S, D] bf16 with a bool mask [B|1, 1, T, S] or None, the "
+        "query rows of each batch row [B] or None -> [B, T, H, D] bf16",
         pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("mask"),
-        pybind11::arg("scale"));
+        pybind11::arg("scale"), pybind11::arg("counts") = pybind11::none());
 }
