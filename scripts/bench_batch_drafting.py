@@ -1,12 +1,15 @@
-"""Greedy rows drafting together against drafting one by one, in the batched decoder, in one process.
+"""Two settings of the batched decoder against each other, in one process.
 
     python scripts/bench_batch_drafting.py --batch-size 4 --prompts 8 --max-new-tokens 128 --methods eagle3+ngram
+    python scripts/bench_batch_drafting.py --compare per-row-sizes --batch-size 16 --prompts 48 --stride 1 \
+        --methods ngram,eagle3+ngram
 
-The same MT-bench first turns (every 10th) decode with ``BatchedDecoder(draft_together=True)`` (one proposer call for
-all rows: an EAGLE head reads every row's new rows in one pass) and with ``draft_together=False`` (one call per row),
-in interleaved rounds (the order flips each round, so drift of the machine hits both alike), after a warm-up.
-Reports total tokens/s per mode and method, and whether both modes' outputs are the same (greedy: they must be).
-Run it with nothing else on the machine.
+``--compare draft-together`` (the default): ``BatchedDecoder(draft_together=True)`` (one proposer call for all rows:
+an EAGLE head reads every row's new rows in one pass) against ``draft_together=False`` (one call per row).
+``--compare per-row-sizes``: tree sizes allocated per row and pass (``per_row_sizes=True``) against one size per run.
+The same MT-bench first turns (every ``--stride``th) decode in both settings in interleaved rounds (the order flips each
+round, so drift of the machine hits both alike), after a warm-up. Reports total tokens/s per setting and method, tau,
+and whether both settings' outputs are the same (greedy: they must be). Run it with nothing else on the machine.
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ from runtime.target import load_target
 from cli import check_head_directories, parse_proposer, positive_int  # scripts/cli.py
 
 
+# --compare: two settings of BatchedDecoder, by label
+SETTINGS = {"draft-together": {"together": {"draft_together": True}, "alone": {"draft_together": False}},
+            "per-row-sizes": {"per row": {"per_row_sizes": True}, "per run": {"per_row_sizes": False}}}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m")
@@ -36,31 +44,38 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--rounds", type=positive_int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--compare", default="draft-together", choices=tuple(SETTINGS))
+    parser.add_argument("--stride", type=positive_int, default=10, help="every STRIDE-th MT-bench first turn")
     args = parser.parse_args(argv)
     specs = {name: parse_proposer(name.strip(), flag="--methods") for name in args.methods.split(",") if name.strip()}
     check_head_directories(specs.values())
     target = load_target(args.target, dtype=args.dtype, quiet=True)
-    prompts = [encode_prompt(target.tokenizer, record["prompt"]) for record in read_prompts()[::10][:args.prompts]]
+    prompts = [encode_prompt(target.tokenizer, record["prompt"])
+               for record in read_prompts()[::args.stride][:args.prompts]]
     machine = machine_description(target.device)
     print(f"{machine['cpu']} ({', '.join(machine['cpu_flags'])}), {torch.get_num_threads()} threads, {args.dtype}, "
           f"{len(prompts)} prompts at {args.batch_size} rows, {args.max_new_tokens} new tokens")
-    print("| method | together tok/s | alone tok/s | together / alone | same outputs |\n|---|---:|---:|---:|---|")
+    (first, first_settings), (second, second_settings) = SETTINGS[args.compare].items()
+    print(f"| method | {first} tok/s (tau) | {second} tok/s (tau) | {first} / {second} | same outputs |\n"
+          "|---|---:|---:|---:|---|")
     for name, spec in specs.items():
         proposer = build_proposer(spec, target)
-        decoders = {mode: BatchedDecoder(target, proposer, draft_together=mode) for mode in (True, False)}
-        for decoder in decoders.values():  # warm-up, and the tree size for this batch size
+        decoders = {first: BatchedDecoder(target, proposer, **first_settings),
+                    second: BatchedDecoder(target, proposer, **second_settings)}
+        for decoder in decoders.values():  # warm-up, and the cost curve for this batch size
             decoder.generate(prompts[:args.batch_size], 8, batch_size=args.batch_size)
-        rates: dict[bool, list[float]] = {True: [], False: []}
-        outputs = {}
+        rates: dict[str, list[float]] = {first: [], second: []}
+        outputs, tau = {}, {}
         for round_index in range(args.rounds):
-            for mode in (True, False) if round_index % 2 == 0 else (False, True):
+            for mode in (first, second) if round_index % 2 == 0 else (second, first):
                 started = time.perf_counter()
                 results = decoders[mode].generate(prompts, args.max_new_tokens, batch_size=args.batch_size)
                 rates[mode].append(sum(len(r.tokens) for r in results) / (time.perf_counter() - started))
                 outputs[mode] = [r.tokens for r in results]
-        together, alone = statistics.mean(rates[True]), statistics.mean(rates[False])
-        print(f"| {name} | {together:.1f} | {alone:.1f} | {together / alone:.2f} | "
-              f"{'yes' if outputs[True] == outputs[False] else 'NO'} |", flush=True)
+                tau[mode] = decoders[mode].stats.tau
+        one, other = statistics.mean(rates[first]), statistics.mean(rates[second])
+        print(f"| {name} | {one:.1f} ({tau[first]:.2f}) | {other:.1f} ({tau[second]:.2f}) | {one / other:.2f} | "
+              f"{'yes' if outputs[first] == outputs[second] else 'NO'} |", flush=True)
     return 0
 
 

@@ -68,6 +68,27 @@ def test_every_proposer_matches_hf_greedy_at_every_batch_size(arch):
             assert decoder.stats.tau > 1.0, f"{name} never got a draft accepted"
 
 
+@pytest.mark.parametrize("name", ["ngram", "draft-tree", "eagle3", "eagle3+ngram"])
+def test_sizes_allocated_per_row_and_pass_match_hf_greedy(name, monkeypatch):
+    """Per-row sizes (``per_row_sizes``): rows of one pass draft different numbers of nodes, packed; every row is
+    still what HF greedy gives it alone. A flat cost curve makes nodes cheap, so rows do draft."""
+    import runtime.cost_model
+
+    monkeypatch.setattr(runtime.cost_model, "cost_curve",
+                        lambda target, batch_size=1: {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3, 16: 2.0})
+    target = target_for("llama")
+    references = [hf_greedy("llama", prompt) for prompt in PROMPTS]
+    from runtime.proposers.lookup_first import LookupFirstProposer
+
+    candidates = {**proposers(target, "llama"), **head_proposers(target)}
+    candidates["eagle3+ngram"] = LookupFirstProposer(candidates["eagle3"])
+    decoder = BatchedDecoder(target, candidates[name], per_row_sizes=True)
+    for batch_size in (3, 8):
+        results = check_rows(decoder, references, batch_size, f"{name}/per row")
+        assert "allocated per row" in decoder.tree_size_reason
+    assert len({size for result in results for size in result.tree_sizes}) > 1  # the rows' sizes did differ
+
+
 def test_lookahead_rows_match_hf_greedy_with_their_own_tree_size():
     """Each row's window rides beside its tree (a different number of nodes per row, padded to the longest); the
     proposer's own tree size holds at every batch size (behind lookup, the size chosen for the batch caps both

@@ -120,30 +120,42 @@ def test_timings_wait_for_the_device(monkeypatch):
 
 
 def test_the_batched_tree_size_follows_the_cost_curve_at_the_batch_size(monkeypatch):
-    """Many rows make extra tree nodes dearer: greedy rows draft fewer nodes as the batch grows (measured curves,
-    here hand-built), allocated per row and pass; sampled rows keep the one-row size so that their draws do not
-    depend on how many rows share the batch."""
+    """Many rows make extra tree nodes dearer: the size shrinks with the batch, to plain decoding where drafting no
+    longer pays (measured curves, here hand-built); sampled rows keep the one-row size so that their draws do not
+    depend on how many rows share the batch. Allocated per row and pass, greedy rows draft fewer nodes as the batch
+    grows."""
     import runtime.cost_model
     from runtime.batched import BatchedDecoder
     from runtime.proposers import NgramProposer
     from runtime.target import target_from_model
     from tests.conftest import tiny_model
 
-    curves = {1: {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3}, 4: {1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5}}
+    curves = {1: {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3}, 2: {1: 1.0, 2: 1.1, 4: 1.45, 8: 2.0},
+              4: {1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5}}
     monkeypatch.setattr(runtime.cost_model, "cost_curve", lambda target, batch_size=1: curves[batch_size])
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=64), identity="tiny")
     decoder = BatchedDecoder(target, NgramProposer())  # prior acceptance 0.45
+    prompts = [[1, 2, 3, 1, 2, 3]] * 4
+    chosen = {}
+    for rows in (1, 2, 4):
+        decoder.generate(prompts, 4, batch_size=rows)
+        chosen[rows] = decoder.tree_size
+    assert chosen == {1: 4, 2: 2, 4: 1} and "drafting does not pay" in decoder.tree_size_reason
+    decoder.generate(prompts, 4, batch_size=4, temperature=1.0, seeds=[0, 1, 2, 3])
+    assert decoder.tree_size == 4
+
+    per_row = BatchedDecoder(target, NgramProposer(), per_row_sizes=True)
     prompts = [[1, 2, 3, 1, 2, 3], [4, 5, 6, 7], [9, 9, 9, 9, 9], [3, 1, 3, 1]]
     mean_size = {}
     for rows in (1, 4):
-        results = decoder.generate(prompts, 12, batch_size=rows)
+        results = per_row.generate(prompts, 12, batch_size=rows)
         sizes = [size for result in results for size in result.tree_sizes]
         mean_size[rows] = sum(sizes) / len(sizes)
-        assert "allocated per row and pass" in decoder.tree_size_reason
-        assert decoder.tree_size_report()["acceptance_by_depth"]["ngram"]
+        assert "allocated per row and pass" in per_row.tree_size_reason
+        assert per_row.tree_size_report()["acceptance_by_depth"]["ngram"]
     assert mean_size[4] < mean_size[1]
-    decoder.generate(prompts, 4, batch_size=4, temperature=1.0, seeds=[0, 1, 2, 3])
-    assert decoder.tree_size == 4 and decoder.allocation is None
+    per_row.generate(prompts, 4, batch_size=4, temperature=1.0, seeds=[0, 1, 2, 3])
+    assert per_row.tree_size == 4 and per_row.allocation is None
 
 
 def test_nodes_go_where_they_pay_by_hand():

@@ -77,7 +77,8 @@ def dot_kernel_or_skip():
     return kernel
 
 
-# rows across the 8-row blocks (a last block of 1 or 2 rows after full ones) and the 32-row limit; K that is a multiple of 32, one that is not (the masked tail),
+# rows across the 8-row blocks (a last block of 1 or 2 rows after full ones) and the 32-row limit; K that is a
+# multiple of 32, one that is not (the masked tail),
 # one shorter than a vector; N not a multiple of the weight rows per block
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 18, 33])
 @pytest.mark.parametrize("n, k", [(37, 64), (576, 576), (300, 100), (7, 20)])
