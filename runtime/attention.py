@@ -34,18 +34,23 @@ DECODE_KERNEL_HEAD_SIZES = (64, 128)
 MAX_REFERENCE_SCORES = 1 << 26
 
 
-def sdpa_attention(query, key, value, mask, scale: float, counts: torch.Tensor | None = None) -> torch.Tensor:
-    """SDPA over a boolean mask (None = causal when T == S). Returns [B, H, T, D]. ``counts`` [B]: batch row b's
-    query rows from counts[b] on are padding, which the decode kernel skips (their output is then zero; elsewhere
-    they are computed like any row)."""
+def decode_kernel_for(query, key, value, rows: int):
+    """The compiled decode attention kernel where it takes this pass (``rows`` query rows per batch row, at most
+    DECODE_KERNEL_MAX_ROWS; bf16 on CPU; a head size it has; no gradients), else None."""
+    if (rows <= DECODE_KERNEL_MAX_ROWS and query.device.type == "cpu"
+            and query.dtype == key.dtype == value.dtype == torch.bfloat16
+            and query.shape[-1] in DECODE_KERNEL_HEAD_SIZES and not torch.is_grad_enabled()):
+        return decode_attention()
+    return None
+
+
+def sdpa_attention(query, key, value, mask, scale: float) -> torch.Tensor:
+    """SDPA over a boolean mask (None = causal when T == S). Returns [B, H, T, D]."""
     rows = query.shape[2]
     causal = mask is None and rows > 1
-    if (not causal and rows <= DECODE_KERNEL_MAX_ROWS and query.device.type == "cpu"
-            and query.dtype == key.dtype == value.dtype == torch.bfloat16
-            and query.shape[-1] in DECODE_KERNEL_HEAD_SIZES and not torch.is_grad_enabled()
-            and (kernel := decode_attention()) is not None):
+    if not causal and (kernel := decode_kernel_for(query, key, value, rows)) is not None:
         # [B, T, H, D] underneath: the caller's transpose back to that layout is then free
-        return kernel(query, key, value, mask, scale, counts).transpose(1, 2)
+        return kernel(query, key, value, mask, scale).transpose(1, 2)
     gqa = query.shape[1] != key.shape[1]
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scale,
                                           enable_gqa=gqa)
@@ -178,11 +183,10 @@ def cascade_attention(query, key, value, mask, scale: float, prefix_len: int,
 
 
 def tree_attention(query, key, value, mask, scale: float, backend: str = "sdpa",
-                   prefix_len: int | None = None, counts: torch.Tensor | None = None) -> torch.Tensor:
-    """Dispatch to one backend. Returns [B, H, T, D]; ``counts`` [B] (padding query rows past them need no output)
-    as in ``sdpa_attention``."""
+                   prefix_len: int | None = None) -> torch.Tensor:
+    """Dispatch to one backend. Returns [B, H, T, D]."""
     if backend == "sdpa":
-        return sdpa_attention(query, key, value, mask, scale, counts)
+        return sdpa_attention(query, key, value, mask, scale)
     if backend == "flex":
         return flex_attention(query, key, value, mask, scale)
     if backend == "cascade":
@@ -238,7 +242,7 @@ def transformers_attention_forward(module, query, key, value, attention_mask, dr
                                    scaling: float | None = None, tree_backend: str = "sdpa",
                                    prefix_len: int | None = None, sliding_window: int | None = None,
                                    softcap: float | None = None, key_positions: torch.Tensor | None = None,
-                                   ragged=None, query_counts: torch.Tensor | None = None, **kwargs):
+                                   ragged=None, **kwargs):
     """The function transformers' attention modules call (registered as ``ATTN_IMPLEMENTATION``).
 
     The backend and prefix length arrive as forward kwargs, so they flow through arguments, not model state. A
@@ -246,15 +250,22 @@ def transformers_attention_forward(module, query, key, value, attention_mask, dr
     backend and every model family sees the same windowed tree mask (``key_positions``, a forward kwarg like the
     backend's, places the keys where a batch's rows have different lengths: see ``sliding_window_mask``); Gemma-2's
     ``softcap`` goes through the reference attention, which takes it. ``ragged`` (``runtime.ragged.RaggedRows``, a
-    forward kwarg): the pass's tokens come packed, query [1, H, T', D], and attend padded, each row over its own
-    keys with its rows of the [B, 1, N, S] mask. Returns (out [B, T, H, D], None) as transformers expects ([1, T',
-    H, D] for a packed pass).
+    forward kwarg): the pass's tokens come packed, query [1, H, T', D], each row attending over its own keys with
+    its rows of the [B, 1, N, S] mask: the decode kernel takes them packed; any other path lays them out padded and
+    back. Returns (out [B, T, H, D], None) as transformers expects ([1, T', H, D] for a packed pass).
     """
     if ragged is not None:
+        window = sliding_window is not None and key.shape[2] > sliding_window
+        if (tree_backend == "sdpa" and softcap is None and attention_mask is not None
+                and (kernel := decode_kernel_for(query, key, value, ragged.width)) is not None):
+            if window:
+                attention_mask = sliding_window_mask(attention_mask, ragged.positions, key.shape[2], sliding_window,
+                                                     key_positions)
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return kernel(query, key, value, attention_mask, scale, ragged.counts), None
         out, _ = transformers_attention_forward(module, ragged.pad(query, 2), key, value, attention_mask, dropout,
                                                 scaling, tree_backend, prefix_len, sliding_window, softcap,
-                                                key_positions, query_counts=ragged.counts,
-                                                **{**kwargs, "position_ids": ragged.positions})
+                                                key_positions, **{**kwargs, "position_ids": ragged.positions})
         return ragged.pack(out), None
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise ValueError("this attention has sinks (s_aux: learnt per-head logits beside the keys), which the tree "
@@ -276,7 +287,7 @@ def transformers_attention_forward(module, query, key, value, attention_mask, dr
         out, _ = attention_with_lse(query, key, value, attention_mask, scale, softcap)
         out = out.to(query.dtype)
     else:
-        out = tree_attention(query, key, value, attention_mask, scale, tree_backend, prefix_len, query_counts)
+        out = tree_attention(query, key, value, attention_mask, scale, tree_backend, prefix_len)
     return out.transpose(1, 2).contiguous(), None
 
 

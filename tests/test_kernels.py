@@ -203,19 +203,24 @@ def test_decode_attention_takes_batches_no_mask_and_gives_zeros_where_nothing_is
         rtol=2 ** -8, atol=1e-5)
 
 
-def test_decode_attention_skips_padding_rows_and_keeps_the_others_bit_identical():
-    """Rows of different lengths laid out side by side (a packed pass's attention): past counts[b], batch row b's
-    query rows are padding, not computed (zero output); the real rows are what the kernel gives without counts."""
+def test_decode_attention_takes_packed_rows_bit_identical_to_padded_ones():
+    """Rows of different lengths packed one after another (a ragged pass, ``runtime.ragged``): each real row's output
+    is bit-identical to what the kernel gives it laid out padded, and padding is never computed."""
+    from runtime.ragged import RaggedRows
+
     kernel = built_or_fail(decode_attention)
     query, key, value, mask = cache_like_case(5, 40, 64, batch=3, heads=9, kv_heads=3, seed=4)
-    counts = torch.tensor([5, 1, 3])
-    got = kernel(query, key, value, mask, 0.125, counts)
-    full = kernel(query, key, value, mask, 0.125)
-    for b, count in enumerate(counts.tolist()):
-        assert torch.equal(got[b, :count], full[b, :count]), f"batch row {b}"
-        assert not got[b, count:].any()
-    with pytest.raises(RuntimeError, match="counts between 1"):
-        kernel(query, key, value, mask, 0.125, torch.tensor([5, 0, 3]))
+    counts = [5, 1, 3]
+    padded = kernel(query, key, value, mask, 0.125)  # [B, T, H, D]
+    ragged = RaggedRows.from_counts(counts, torch.arange(sum(counts)))
+    packed_query = ragged.pack(query.transpose(1, 2)).transpose(1, 2)  # [1, H, T', D]
+    got = kernel(packed_query, key, value, mask, 0.125, torch.tensor(counts))
+    assert got.shape == (1, sum(counts), 9, 64)
+    assert torch.equal(got, ragged.pack(padded))
+    with pytest.raises(RuntimeError, match="add up"):
+        kernel(packed_query, key, value, mask, 0.125, torch.tensor([5, 1, 2]))
+    with pytest.raises(RuntimeError, match="at least 1"):
+        kernel(packed_query[:, :, :8], key, value, mask, 0.125, torch.tensor([5, 0, 3]))
 
 
 def test_decode_attention_rejects_what_it_cannot_take():

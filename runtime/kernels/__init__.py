@@ -126,8 +126,9 @@ def bf16_dot_linear() -> Callable[..., torch.Tensor] | None:
 def decode_attention() -> Callable[..., torch.Tensor] | None:
     """(query [B, H, T, D] bf16, key/value [B, Hkv, S, D] bf16, mask [B or 1, 1, T, S] bool or None, scale,
     counts [B] or None) -> out [B, T, H, D] bf16, for 1-16 query rows and head size 64 or 128 (last dimensions
-    contiguous), or None. ``counts``: batch row b has counts[b] query rows, the rest are padding, not computed (zero
-    output).
+    contiguous), or None. With ``counts`` the query rows come packed (``runtime.ragged``): query [1, H, T', D] holds
+    batch row b's counts[b] rows after those of the rows before it, each reads its row of the mask (T = max counts),
+    and the output is [1, T', H, D] in that order.
 
     Scores, softmax and the weighted sum are fp32 over the bf16 values, with one rounding at the end; the reference it
     is tested against is fp32 SDPA over the same values. A row that may attend to nothing gets zeros.

@@ -192,20 +192,43 @@ void attend_rows(const uint16_t* const* q_rows, const bool* const* mask_rows, in
 }  // namespace
 
 // query [B, H, T, D], key/value [B, Hkv, S, D] (bf16, last dimension contiguous, H a multiple of Hkv), mask
-// [B or 1, 1, T, S] bool (True = may attend) or None (every key), counts [B] int64 or None -> [B, T, H, D] bf16
-// contiguous. With counts, batch row b's query rows from counts[b] on are padding (rows of different lengths laid
-// out side by side): they are not computed, and their output is zero.
+// [B or 1, 1, T, S] bool (True = may attend) or None (every key) -> [B, T, H, D] bf16 contiguous.
+// With counts [B] (int64), the query rows come packed instead: query [1, H, T', D] holds batch row 0's counts[0]
+// rows, then row 1's, ... (T' = sum(counts)), row b's t-th query reads the mask's row t of batch row b, and the output
+// is [1, T', H, D] in the same order: rows of different lengths with nothing computed for padding.
 torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                const c10::optional<torch::Tensor>& mask, double scale,
                                const c10::optional<torch::Tensor>& counts) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "expected 4D query, key and value");
   TORCH_CHECK(query.scalar_type() == torch::kBFloat16 && key.scalar_type() == torch::kBFloat16 &&
                   value.scalar_type() == torch::kBFloat16, "expected bfloat16 query, key and value");
-  const int64_t B = query.size(0), H = query.size(1), T = query.size(2), D = query.size(3);
+  const bool packed = counts.has_value();
+  const int64_t B = key.size(0), H = query.size(1), D = query.size(3);
   const int64_t Hkv = key.size(1), S = key.size(2);
+  // each batch row's query rows and where they start along the query's row dimension
+  std::vector<int64_t> rows_of(B, query.size(2)), start_of(B, 0);
+  int64_t T = query.size(2);  // the most query rows of a batch row: the mask's rows
+  if (packed) {
+    const torch::Tensor given = counts->to(torch::kLong).contiguous();
+    TORCH_CHECK(given.dim() == 1 && given.size(0) == B, "expected counts [B], one per batch row of key/value");
+    TORCH_CHECK(query.size(0) == 1, "expected packed query rows [1, H, T', D] with counts");
+    const int64_t* cp = given.data_ptr<int64_t>();
+    int64_t total = 0;
+    T = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(cp[b] >= 1, "expected counts of at least 1");
+      rows_of[b] = cp[b];
+      start_of[b] = total;
+      total += cp[b];
+      T = std::max(T, cp[b]);
+    }
+    TORCH_CHECK(total == query.size(2), "counts must add up to the packed query rows");
+  } else {
+    TORCH_CHECK(query.size(0) == B, "key/value shapes do not match the query");
+  }
   TORCH_CHECK((D == 64 || D == 128) && key.size(3) == D && value.size(3) == D, "expected head size 64 or 128");
   TORCH_CHECK(T >= 1 && T <= kMaxRows, "expected 1 to 16 query rows");
-  TORCH_CHECK(key.size(0) == B && value.size(0) == B && value.size(1) == Hkv && value.size(2) == S && H % Hkv == 0,
+  TORCH_CHECK(value.size(0) == B && value.size(1) == Hkv && value.size(2) == S && H % Hkv == 0,
               "key/value shapes do not match the query");
   TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1,
               "expected a contiguous last dimension");
@@ -221,16 +244,9 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
     ms = {mask->size(0) == 1 ? 0 : mask->stride(0), 0, mask->stride(2)};
     ms_s = mask->stride(3);
   }
-  torch::Tensor rows_of;
-  if (counts.has_value()) {
-    rows_of = counts->to(torch::kLong).contiguous();
-    TORCH_CHECK(rows_of.dim() == 1 && rows_of.size(0) == B, "expected counts [B]");
-    TORCH_CHECK(rows_of.min().item<int64_t>() >= 1 && rows_of.max().item<int64_t>() <= T,
-                "expected counts between 1 and the query rows");
-  }
-  const int64_t* cp = rows_of.defined() ? rows_of.data_ptr<int64_t>() : nullptr;
-  auto out = cp == nullptr ? torch::empty({B, T, H, D}, query.options()) : torch::zeros({B, T, H, D}, query.options());
-  const Strides qs{query.stride(0), query.stride(1), query.stride(2)};
+  auto out = packed ? torch::empty({1, query.size(2), H, D}, query.options()) : torch::empty({B, T, H, D},
+                                                                                          query.options());
+  const Strides qs{packed ? 0 : query.stride(0), query.stride(1), query.stride(2)};
   const Strides ks{key.stride(0), key.stride(1), key.stride(2)};
   const Strides vs{value.stride(0), value.stride(1), value.stride(2)};
   const auto* qp = reinterpret_cast<const uint16_t*>(query.data_ptr<at::BFloat16>());
@@ -258,13 +274,14 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
     uint16_t* out_rows[kMaxTaskRows];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / tasks_per_row, first = (task % tasks_per_row) * heads, g = first / group;
-      const int64_t rows = cp == nullptr ? T : cp[b];
+      const int64_t rows = rows_of[b];
       for (int64_t i = 0; i < heads; ++i) {
         for (int64_t t = 0; t < rows; ++t) {
           const int64_t r = i * rows + t, h = first + i;
-          q_rows[r] = qp + b * qs.b + h * qs.h + t * qs.t;
+          const int64_t q_row = start_of[b] + t;  // along the query's row dimension
+          q_rows[r] = qp + b * qs.b + h * qs.h + q_row * qs.t;
           mask_rows[r] = mp == nullptr ? nullptr : mp + b * ms.b + t * ms.t;
-          out_rows[r] = op + ((b * T + t) * H + h) * D;
+          out_rows[r] = op + ((packed ? q_row : b * T + t) * H + h) * D;
         }
       }
       attend(q_rows, mask_rows, ms_s, out_rows, heads * rows, kp + b * ks.b + g * ks.h, vp + b * vs.b + g * vs.h,
@@ -276,8 +293,8 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
-        "query [B, H, T, D] bf16 over key/value [B, Hkv, S, D] bf16 with a bool mask [B|1, 1, T, S] or None, the "
-        "query rows of each batch row [B] or None -> [B, T, H, D] bf16",
+        "query [B, H, T, D] bf16 over key/value [B, Hkv, S, D] bf16 with a bool mask [B|1, 1, T, S] or None -> "
+        "[B, T, H, D] bf16; with counts [B], query [1, H, sum(counts), D] packed -> [1, sum(counts), H, D]",
         pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("mask"),
         pybind11::arg("scale"), pybind11::arg("counts") = pybind11::none());
 }
