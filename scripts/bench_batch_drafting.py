@@ -6,7 +6,8 @@
 
 ``--compare draft-together`` (the default): ``BatchedDecoder(draft_together=True)`` (one proposer call for all rows:
 an EAGLE head reads every row's new rows in one pass) against ``draft_together=False`` (one call per row).
-``--compare per-row-sizes``: tree sizes allocated per row and pass (``per_row_sizes=True``) against one size per run.
+``--compare per-row-sizes``: tree sizes allocated per row and pass (``per_row_sizes=True``, at any batch size) against
+one size per run (``per_row_sizes=False``).
 The same MT-bench first turns (every ``--stride``th) decode in both settings in interleaved rounds (the order flips each
 round, so drift of the machine hits both alike), after a warm-up. Reports total tokens/s per setting and method, tau,
 and whether both settings' outputs are the same (greedy: they must be). Run it with nothing else on the machine.

@@ -71,7 +71,8 @@ def test_every_proposer_matches_hf_greedy_at_every_batch_size(arch):
 @pytest.mark.parametrize("name", ["ngram", "draft-tree", "eagle3", "eagle3+ngram"])
 def test_sizes_allocated_per_row_and_pass_match_hf_greedy(name, monkeypatch):
     """Per-row sizes (``per_row_sizes``): rows of one pass draft different numbers of nodes, packed; every row is
-    still what HF greedy gives it alone. A flat cost curve makes nodes cheap, so rows do draft."""
+    still what HF greedy gives it alone. A flat cost curve makes nodes cheap, so rows do draft; lookup's rows go
+    deeper than one size for the run would take them, a model's rows no deeper (it drafts level by level)."""
     import runtime.cost_model
 
     monkeypatch.setattr(runtime.cost_model, "cost_curve",
@@ -83,10 +84,16 @@ def test_sizes_allocated_per_row_and_pass_match_hf_greedy(name, monkeypatch):
     candidates = {**proposers(target, "llama"), **head_proposers(target)}
     candidates["eagle3+ngram"] = LookupFirstProposer(candidates["eagle3"])
     decoder = BatchedDecoder(target, candidates[name], per_row_sizes=True)
+    run_size = BatchedDecoder(target, candidates[name], per_row_sizes=False)
     for batch_size in (3, 8):
         results = check_rows(decoder, references, batch_size, f"{name}/per row")
         assert "allocated per row" in decoder.tree_size_reason
-    assert len({size for result in results for size in result.tree_sizes}) > 1  # the rows' sizes did differ
+        run_size.generate(PROMPTS[:batch_size], 2, batch_size=batch_size)
+        sizes = {size for result in results for size in result.tree_sizes}
+        if name in ("ngram", "eagle3+ngram"):
+            assert len(sizes) > 1 and max(sizes) > run_size.tree_size  # the rows' sizes differ, lookup's go deep
+        else:
+            assert max(sizes) <= run_size.tree_size
 
 
 def test_lookahead_rows_match_hf_greedy_with_their_own_tree_size():

@@ -49,6 +49,8 @@ class NgramProposer:
     needs_hidden: bool = False
     expected_acceptance: float = 0.45
     tree_size: int | None = None
+    # drafting runs no model: a deeper tree costs its verification alone (``runtime.batched``'s per-row sizes)
+    drafts_without_a_model: bool = True
 
     def start(self, prompt: torch.Tensor, max_length: int) -> None:
         return None
