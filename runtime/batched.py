@@ -34,15 +34,14 @@ not depend on the trees. Sampled rows draft one by one: a head's trees may diffe
 batch, and a sampled row's draws depend on its tree.
 
 Tree sizes. Rows of different sizes verify packed (``runtime.ragged``): no padding token is computed, so a row pays
-only for its own nodes. Greedy rows get their sizes per pass (``runtime.tree_sizing.allocate_nodes``): each row's
-acceptance by depth, learnt from its own passes and pulled towards what every row of the run gets accepted from the
-same drafter, says what each further node would add, and the nodes worth their cost on the cost curve measured at
-the run's batch size go in, best first, whichever row they belong to: a row in repetitive text drafts deep while its
-neighbours draft nothing (``scripts/bench_batch_drafting.py --compare per-row-sizes`` measures it against one size
-per run). Where that curve says drafting does not pay at all at the batch size, the run decodes plainly instead
-(no head runs). A sampled row's draws depend on its tree and must not depend on its neighbours, so a sampling run
-keeps one size for every row and step, the one-row size (rows may draft fewer nodes). A proposer that sizes its own
-trees (``runtime.proposers.base.sizes_own_tree``) keeps its size at every batch size.
+only for its own nodes. By default one size holds for every row and step of a run (rows may draft fewer nodes): for
+greedy rows the best on the cost curve measured at the run's batch size, for sampled rows the one-row size, since a
+sampled row's draws depend on its tree and must not depend on its neighbours. With ``per_row_sizes``, greedy rows
+get their sizes per pass instead (``runtime.tree_sizing.allocate_nodes``): each row's acceptance by depth, learnt
+from its own passes and pulled towards what every row of the run gets accepted from the same drafter, says what each
+further node would add, and the nodes worth their cost on that curve go in, best first, whichever row they belong
+to: a row in repetitive text drafts deep while its neighbours draft nothing. A proposer that sizes its own trees
+(``runtime.proposers.base.sizes_own_tree``) keeps its size at every batch size.
 """
 
 from __future__ import annotations
@@ -159,17 +158,18 @@ class BatchedDecoder:
     """Generate for several prompts at once with ``target``, drafting with ``proposer`` (one proposer state per row).
 
     tree_size: the verified tree's size (nodes, root included) for every row and step; None chooses sizes per run from
-    the cost curve measured at the run's batch size. per_row_sizes (with tree_size None): None, a greedy run allocates
-    each row's size per pass from that curve and each row's acceptance (``runtime.tree_sizing.allocate_nodes``) where
-    one size for the run would draft at all, and decodes plainly where it would not; True allocates per row at every
-    batch size; False keeps one size for the run (``runtime.cost_model.batch_tree_size``: it shrinks as the batch grows,
-    to plain decoding where drafting stops paying). A sampling run keeps the one-row size, so a sampled row's trees
-    never depend on its neighbours. attention and acceptance as in ``runtime.decoder.SpeculativeDecoder``. ``stats``
-    describes the latest run (``BatchStats``). ``monitor``: the proposer's rolling depth-1 acceptance over every row of
-    every run, with a warning when it stays far below what its head measured in training
-    (``runtime.monitor.AcceptanceMonitor``); a row's own rate is its result's ``depth_acceptance[0]``. draft_together:
-    greedy rows draft in one proposer call where the proposer can (``propose_rows``); False drafts every row alone, as
-    sampled rows always do (``scripts/bench_batch_drafting.py`` measures one against the other).
+    the cost curve measured at the run's batch size. per_row_sizes (with tree_size None): False (the default) keeps one
+    size for the run (``runtime.cost_model.batch_tree_size``: it shrinks as the batch grows, to plain decoding where
+    drafting stops paying); True has a greedy run allocate each row's size per pass from that curve and each row's
+    acceptance (``runtime.tree_sizing.allocate_nodes``); None allocates per row where one size for the run would draft
+    at all, and decodes plainly where it would not (``scripts/bench_batch_drafting.py --compare per-row-sizes`` measures
+    per-row sizes against one size per run). A sampling run keeps the one-row size, so a sampled row's trees never
+    depend on its neighbours. attention and acceptance as in ``runtime.decoder.SpeculativeDecoder``. ``stats`` describes
+    the latest run (``BatchStats``). ``monitor``: the proposer's rolling depth-1 acceptance over every row of every run,
+    with a warning when it stays far below what its head measured in training (``runtime.monitor.AcceptanceMonitor``); a
+    row's own rate is its result's ``depth_acceptance[0]``. draft_together: greedy rows draft in one proposer call where
+    the proposer can (``propose_rows``); False drafts every row alone, as sampled rows always do
+    (``scripts/bench_batch_drafting.py`` measures one against the other).
 
     record_layers: when given, each result carries ``features`` (``recorded_features``): the target's hidden
     states at every position of prompt + output that the passes computed, the last hidden state and the inputs of
@@ -179,7 +179,7 @@ class BatchedDecoder:
 
     def __init__(self, target: Target, proposer: Proposer | None = None, tree_size: int | None = None,
                  attention: str = "auto", acceptance: str = "exact", draft_together: bool = True,
-                 record_layers: Sequence[int] | None = None, per_row_sizes: bool | None = None):
+                 record_layers: Sequence[int] | None = None, per_row_sizes: bool | None = False):
         self.target = target
         self.draft_together = draft_together
         self.proposer = proposer if proposer is not None else NoProposer()

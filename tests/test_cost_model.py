@@ -135,14 +135,14 @@ def test_the_batched_tree_size_follows_the_cost_curve_at_the_batch_size(monkeypa
     monkeypatch.setattr(runtime.cost_model, "cost_curve", lambda target, batch_size=1: curves[batch_size])
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=64), identity="tiny")
     decoder = BatchedDecoder(target, NgramProposer(), per_row_sizes=False)  # prior acceptance 0.45
-    default = BatchedDecoder(target, NgramProposer())
+    default = BatchedDecoder(target, NgramProposer(), per_row_sizes=None)  # per row where one size would draft
     prompts = [[1, 2, 3, 1, 2, 3]] * 4
     chosen = {}
     for rows in (1, 2, 4):
         decoder.generate(prompts, 4, batch_size=rows)
         chosen[rows] = decoder.tree_size
         default.generate(prompts, 4, batch_size=rows)
-        # by default: sizes per row where one size for the run would draft, plain decoding where it would not
+        # None: sizes per row where one size for the run would draft, plain decoding where it would not
         assert (default.allocation is not None) == (chosen[rows] > 1)
     assert chosen == {1: 4, 2: 2, 4: 1} and "drafting does not pay" in decoder.tree_size_reason
     assert default.tree_size == 1 and "drafting does not pay" in default.tree_size_reason
