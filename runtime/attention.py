@@ -254,25 +254,23 @@ def transformers_attention_forward(module, query, key, value, attention_mask, dr
     its rows of the [B, 1, N, S] mask: the decode kernel takes them packed; any other path lays them out padded and
     back. Returns (out [B, T, H, D], None) as transformers expects ([1, T', H, D] for a packed pass).
     """
-    if ragged is not None:
-        window = sliding_window is not None and key.shape[2] > sliding_window
-        if (tree_backend == "sdpa" and softcap is None and attention_mask is not None
-                and (kernel := decode_kernel_for(query, key, value, ragged.width)) is not None):
-            if window:
-                attention_mask = sliding_window_mask(attention_mask, ragged.positions, key.shape[2], sliding_window,
-                                                     key_positions)
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return kernel(query, key, value, attention_mask, scale, ragged.counts), None
-        out, _ = transformers_attention_forward(module, ragged.pad(query, 2), key, value, attention_mask, dropout,
-                                                scaling, tree_backend, prefix_len, sliding_window, softcap,
-                                                key_positions, **{**kwargs, "position_ids": ragged.positions})
-        return ragged.pack(out), None
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise ValueError("this attention has sinks (s_aux: learnt per-head logits beside the keys), which the tree "
                          "attention does not apply: the target cannot be decoded here")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     keys = key.shape[2]
     windowed = sliding_window is not None and keys > sliding_window  # shorter contexts: the window cuts nothing
+    if ragged is not None:
+        if (tree_backend == "sdpa" and softcap is None and attention_mask is not None
+                and (kernel := decode_kernel_for(query, key, value, ragged.width)) is not None):
+            if windowed:
+                attention_mask = sliding_window_mask(attention_mask, ragged.positions, keys, sliding_window,
+                                                     key_positions)
+            return kernel(query, key, value, attention_mask, scale, ragged.counts), None
+        out, _ = transformers_attention_forward(module, ragged.pad(query, 2), key, value, attention_mask, dropout,
+                                                scaling, tree_backend, prefix_len, sliding_window, softcap,
+                                                key_positions, **{**kwargs, "position_ids": ragged.positions})
+        return ragged.pack(out), None
     if windowed:
         position_ids = kwargs.get("position_ids")
         if position_ids is None:

@@ -522,7 +522,6 @@ class BatchedDecoder:
                 if row.recorded is not None:
                     self._record(row, hidden, layer_hidden[proposer_layers:])
 
-
     def _allocate(self, rows: list[_Row]) -> tuple[list[int], list[str]]:
         """(each row's tree size for this pass, the drafter that drafts it), from each row's acceptance with that
         drafter (``allocate_nodes``)."""

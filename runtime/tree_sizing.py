@@ -59,11 +59,7 @@ class DepthAcceptance:
 
     def expected_tokens(self, depth: int) -> float:
         """Tokens a pass emits when the tree reaches ``depth``: 1 + a1 + a1 a2 + ... (the bonus token included)."""
-        total, reach = 1.0, 1.0
-        for d in range(1, depth + 1):
-            reach *= self.rate(d)
-            total += reach
-        return total
+        return 1.0 + sum(self.reach(depth))
 
 
 class TreeSizer:
@@ -204,16 +200,16 @@ def allocate_nodes(gains: Sequence[Sequence[float]], curve: dict[int, float]) ->
     """
     batch = len(gains)
     sizes = [1] * batch
-    tokens, cost = float(batch), interpolated_cost(curve, 1)
+    nodes, tokens, cost = batch, float(batch), interpolated_cost(curve, 1)
     waiting = [(-row_gains[0], b) for b, row_gains in enumerate(gains) if row_gains]
     heapq.heapify(waiting)
     while waiting:
         gain, b = heapq.heappop(waiting)
-        more = interpolated_cost(curve, (sum(sizes) + 1) / batch)
+        more = interpolated_cost(curve, (nodes + 1) / batch)
         if (tokens - gain) * cost <= tokens * more:  # (tokens + gain) / more <= tokens / cost: it does not pay
             break
         sizes[b] += 1
-        tokens, cost = tokens - gain, more
+        nodes, tokens, cost = nodes + 1, tokens - gain, more
         if sizes[b] - 1 < len(gains[b]):
             heapq.heappush(waiting, (-gains[b][sizes[b] - 1], b))
     return sizes
