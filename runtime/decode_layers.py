@@ -11,12 +11,16 @@ Two ways to use them:
 - ``use_decode_layers(module)`` switches a module the runtime built or loaded itself (a draft head) in place;
 - ``DecodeLayers(model)`` switches a target's layers only inside ``with layers.active():`` (the runtime's own
   forward passes), so a model a user hands to ``runtime.target.Target`` is stock whenever they use it.
-Off CPU, with gradients, or in a dtype a kernel does not take, every decode layer runs the stock computation.
+Off CPU, with gradients, or in a dtype a kernel does not take, every decode layer runs the stock computation. On a
+CPU with AVX512-BF16 both keep a packed copy of each bf16 linear weight (``PackedWeights``): memory for a second
+copy of those weights buys the packed kernel, the fastest product there from one row to a prefill.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -24,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads.common import FrozenProjection
-from runtime.kernels import bf16_dot_linear, bf16_rows_linear, native_bf16_matmul, rms_norm_rows
+from runtime.kernels import (bf16_dot_linear, bf16_packed_linear, bf16_rows_linear, native_bf16_matmul,
+                             pack_bf16_weight, rms_norm_rows)
 
 # Row counts up to which ``decode_linear`` computes weight @ hidden^T: on the 2-core x86 CPUs this was tuned on, BLAS
 # streams a weight matrix from memory faster in that operand order for a few rows (scripts/bench_vocab_projection.py
@@ -43,19 +48,47 @@ NATIVE_BF16_KERNEL_MAX_ROWS = 8
 # (scripts/bench_bf16_rows.py measures all three).
 DOT_KERNEL_MAX_ROWS = 32
 
+# ... and up to which its packed form (runtime.kernels.bf16_packed_linear, over a packed copy of the weights) beats
+# PyTorch's bf16 product: with no per-output reduction it stays ahead through prefill-sized calls
+# (scripts/bench_bf16_rows.py --rows 64 128 256).
+PACKED_KERNEL_MAX_ROWS = 256
+
 # RMSNorm classes of transformers that compute weight * (x * rsqrt(mean(x^2) + eps)).to(dtype) with the epsilon in
 # ``variance_epsilon``: the formula rms_norm_rows implements. Others (Gemma's 1 + weight, ...) keep their own forward.
 LLAMA_FORMULA_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 
 
-def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+class PackedWeights:
+    """Copies of bf16 weights in the packed layout of ``runtime.kernels.bf16_packed_linear``, made on a weight's first
+    use and again whenever it changes in place (its version counter moves) or the layer gets another tensor. The
+    weights themselves are never changed; the copies cost as much memory as the weights they pack."""
+
+    def __init__(self):
+        self._copies: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+    def of(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed copy of ``weight`` [N, K] bf16 as it is now."""
+        entry = self._copies.get(id(weight))
+        if entry is None or entry[0]() is not weight or entry[1] != weight._version:
+            entry = (weakref.ref(weight), weight._version, pack_bf16_weight(weight))
+            self._copies[id(weight)] = entry
+        return entry[2]
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+
+def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  packed: PackedWeights | None = None) -> torch.Tensor:
     """hidden [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N]; equal to ``F.linear(hidden, weight, bias)``
     (in bfloat16, up to the order of the fp32 accumulation).
 
-    On a CPU with AVX512-BF16, up to DOT_KERNEL_MAX_ROWS bf16 rows go through its dot-product kernel
-    (``runtime.kernels.bf16_dot_linear``). Otherwise few rows go through ``weight @ hidden^T``, the rest (and
-    anything that needs gradients, or runs off CPU) through F.linear. In bfloat16, 2-16 rows (and one row on a CPU
-    with bf16 matrix instructions) go through the compiled AVX2 row kernel (``runtime.kernels``): PyTorch's bf16
+    On a CPU with AVX512-BF16, bf16 rows go through its dot-product kernel: up to PACKED_KERNEL_MAX_ROWS over the
+    packed copy of the weight that ``packed`` keeps (``runtime.kernels.bf16_packed_linear``), or without one up to
+    DOT_KERNEL_MAX_ROWS over the weight as it is (``runtime.kernels.bf16_dot_linear``). Otherwise few rows go
+    through ``weight @ hidden^T``, the rest (and anything that needs gradients, or runs off CPU) through F.linear.
+    In bfloat16, 2-16 rows (and one row on a CPU with bf16 matrix instructions) go through the compiled AVX2 row
+    kernel (``runtime.kernels``): PyTorch's bf16
     product on a CPU without bf16 matrix instructions costs about one one-row product per row, the kernel reads the
     weights once. Many bf16 rows (a prefill) on such a CPU go through an fp32 product of the upcast operands. On a CPU
     with bf16 matrix instructions PyTorch's own bf16 product takes over from NATIVE_BF16_KERNEL_MAX_ROWS + 1 rows.
@@ -64,6 +97,9 @@ def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         return F.linear(hidden, weight, bias)
     rows = hidden.numel() // hidden.shape[-1]
     bf16 = weight.dtype == hidden.dtype == torch.bfloat16
+    if bf16 and rows <= PACKED_KERNEL_MAX_ROWS and packed is not None and (kernel := bf16_packed_linear()) is not None:
+        out = kernel(hidden.reshape(rows, hidden.shape[-1]).contiguous(), packed.of(weight), weight.shape[0], bias)
+        return out.reshape(*hidden.shape[:-1], weight.shape[0])
     if bf16 and rows <= DOT_KERNEL_MAX_ROWS and (dot := bf16_dot_linear()) is not None:
         out = dot(hidden.reshape(rows, hidden.shape[-1]).contiguous(), weight.contiguous(), bias)
         return out.reshape(*hidden.shape[:-1], weight.shape[0])
@@ -89,17 +125,24 @@ def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 
 class DecodeLinear(nn.Linear):
-    """An nn.Linear whose forward is ``decode_linear``: same parameters, same results."""
+    """An nn.Linear whose forward is ``decode_linear``: same parameters, same results. ``packed_weights``: where
+    ``decode_layer_classes`` gives the class one, the packed copies of its weights."""
+
+    packed_weights: PackedWeights | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return decode_linear(hidden, self.weight, self.bias)
+        return decode_linear(hidden, self.weight, self.bias, self.packed_weights)
 
 
 class DecodeFrozenProjection(FrozenProjection):
     """A head's borrowed vocabulary projection through ``decode_linear``."""
 
+    packed_weights: PackedWeights | None = None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return decode_linear(hidden, self.weight.to(hidden.dtype))
+        weight = self.weight.to(hidden.dtype)
+        # a weight cast for this call would be packed anew every call
+        return decode_linear(hidden, weight, None, self.packed_weights if weight is self.weight else None)
 
 
 def _decode_norm_forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -114,21 +157,38 @@ def _decode_norm_class(norm_class: type) -> type:
     return type(f"Decode{norm_class.__name__}", (norm_class,), {"forward": _decode_norm_forward})
 
 
-def decode_class(layer_class: type) -> type | None:
-    """The decode version of a layer class, or None when it has none. Subclasses of nn.Linear (quantized or adapter
-    layers) keep their own forward."""
-    if layer_class is nn.Linear:
-        return DecodeLinear
-    if layer_class is FrozenProjection:
-        return DecodeFrozenProjection
-    if layer_class.__name__ in LLAMA_FORMULA_NORMS:
-        return _decode_norm_class(layer_class)
-    return None
+def decode_layer_classes(packed: PackedWeights | None = None) -> Callable[[type], type | None]:
+    """``decode_class`` for one model: its linear layers keep their packed weights in ``packed`` (None: they
+    multiply the weights as they are)."""
+    linear = type("DecodeLinear", (DecodeLinear,), {"packed_weights": packed})
+    projection = type("DecodeFrozenProjection", (DecodeFrozenProjection,), {"packed_weights": packed})
+
+    def decode_class(layer_class: type) -> type | None:
+        """The decode version of a layer class, or None when it has none. Subclasses of nn.Linear (quantized or
+        adapter layers) keep their own forward."""
+        if layer_class is nn.Linear:
+            return linear
+        if layer_class is FrozenProjection:
+            return projection
+        if layer_class.__name__ in LLAMA_FORMULA_NORMS:
+            return _decode_norm_class(layer_class)
+        return None
+
+    return decode_class
+
+
+def packed_weights_for(model: nn.Module) -> PackedWeights | None:
+    """A store of packed weights for ``model`` where the packed kernel runs and the model has bf16 weights on CPU,
+    else None."""
+    weights = [p for p in model.parameters() if p.dim() == 2]
+    useful = any(w.dtype == torch.bfloat16 and w.device.type == "cpu" for w in weights)
+    return PackedWeights() if useful and bf16_packed_linear() is not None else None
 
 
 def use_decode_layers(module: nn.Module) -> nn.Module:
     """Switch every layer of ``module`` that has a decode version to it, in place (parameters untouched); returns
     it. For modules the runtime owns (a head it loaded); a user's model goes through ``DecodeLayers`` instead."""
+    decode_class = decode_layer_classes(packed_weights_for(module))
     for child in module.modules():
         fast = decode_class(type(child))
         if fast is not None:
@@ -144,8 +204,15 @@ class DecodeLayers:
     """
 
     def __init__(self, model: nn.Module):
+        # bf16 weights on a CPU with AVX512-BF16 are packed for the packed kernel on first use (a copy of each)
+        self.packed = packed_weights_for(model)
+        decode_class = decode_layer_classes(self.packed)
         self.swaps = [(layer, type(layer), fast) for layer in model.modules()
                       if (fast := decode_class(type(layer))) is not None]
+        if self.packed is not None:  # now rather than in the first pass, which would then cost many passes' time
+            for layer, stock, _ in self.swaps:
+                if stock is nn.Linear and layer.weight.dtype == torch.bfloat16 and layer.weight.device.type == "cpu":
+                    self.packed.of(layer.weight)
 
     @contextmanager
     def active(self):

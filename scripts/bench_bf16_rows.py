@@ -6,13 +6,15 @@ The layers have SmolLM2-135M's shapes (30 decoder layers of 7 linears, then the 
 own random bf16 weights, so that the 270 MB stream from memory as in a real pass rather than from cache. Reports the
 median milliseconds of --repeats passes per row count: PyTorch (``F.linear``), the AVX2 row kernel (runtime.kernels,
 what ``runtime.decode_layers.decode_linear`` uses for 2-16 bf16 rows on CPUs without AVX512-BF16) and, on CPUs with
-AVX512-BF16, the dot-product kernel (``bf16_dot_linear``, which it uses there up to DOT_KERNEL_MAX_ROWS rows).
-Run it with nothing else on the machine.
+AVX512-BF16, the dot-product kernels: over the weights as they are (``bf16_dot_linear``) and over a packed copy
+(``bf16_packed_linear``, which ``decode_linear`` uses there up to PACKED_KERNEL_MAX_ROWS rows when the runtime keeps
+packed weights). Run it with nothing else on the machine.
 
     git show HEAD~1:runtime/kernels/bf16_dot_rows.cpp > earlier_dot_rows.cpp
     python scripts/bench_bf16_rows.py --rows 1 8 16 --dot-baseline earlier_dot_rows.cpp
 
---dot-baseline (--rows-baseline) builds another version of the AVX512-BF16 kernel's (the AVX2 row kernel's) source
+--dot-baseline, --packed-baseline (--rows-baseline) build another version of an AVX512-BF16 kernel's (the AVX2 row
+kernel's) source
 and times it beside the current one, alternating pass by pass in one process (the only fair comparison on a
 machine whose speed drifts), after checking whether both give the same outputs.
 """
@@ -28,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.kernels import (DOT_KERNEL_FLAGS, ROW_KERNEL_FLAGS, bf16_dot_linear, bf16_rows_linear,
-                             bf16_rows_matmul, build_source)
+from runtime.kernels import (DOT_KERNEL_FLAGS, ROW_KERNEL_FLAGS, bf16_dot_linear, bf16_packed_linear,
+                             bf16_rows_linear, bf16_rows_matmul, build_source, pack_bf16_weight)
 
 from bench_vocab_projection import median_ms  # scripts/bench_vocab_projection.py
 
@@ -46,6 +48,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--dot-baseline", metavar="SOURCE",
                         help="another version of runtime/kernels/bf16_dot_rows.cpp to time beside the current one")
+    parser.add_argument("--packed-baseline", metavar="SOURCE",
+                        help="another version of runtime/kernels/bf16_packed_rows.cpp to time beside the current one")
     parser.add_argument("--rows-baseline", metavar="SOURCE",
                         help="another version of runtime/kernels/bf16_rows.cpp to time beside the current one")
     args = parser.parse_args(argv)
@@ -55,9 +59,11 @@ def main(argv=None) -> int:
     weights = [torch.randn(n, k).bfloat16() for _ in range(args.layers) for n, k in LAYER_SHAPES]
     weights.append(torch.randn(args.vocab, LAYER_SHAPES[0][1]).bfloat16())
     print(f"{torch.get_num_threads()} threads, {sum(w.numel() for w in weights) * 2 / 1e6:.0f} MB of bf16 weights")
-    dot = bf16_dot_linear()
+    dot, packed = bf16_dot_linear(), bf16_packed_linear()
+    packed_weights = [pack_bf16_weight(w) for w in weights] if packed is not None else []
     columns = "| rows | F.linear ms | kernel ms | F.linear / kernel |" + (" AVX512-BF16 kernel ms | F.linear / it |"
                                                                         if dot is not None else "")
+    columns += " packed kernel ms | F.linear / it |" if packed is not None else ""
     print(columns + "\n" + "|---:" * (columns.count("|") - 1) + "|")
     for rows in args.rows:
         inputs = {k: torch.randn(rows, k).bfloat16() for k in {k for _, k in LAYER_SHAPES}}
@@ -68,12 +74,21 @@ def main(argv=None) -> int:
         if dot is not None:
             dotted = median_ms(lambda: [dot(inputs[w.shape[1]], w, None) for w in weights], args.repeats)
             line += f" {dotted:.1f} | {stock / dotted:.2f} |"
+        if packed is not None:
+            packed_ms = median_ms(lambda: [packed(inputs[w.shape[1]], p, w.shape[0], None)
+                                           for w, p in zip(weights, packed_weights)], args.repeats)
+            line += f" {packed_ms:.1f} | {stock / packed_ms:.2f} |"
         print(line)
     if args.dot_baseline:
         if dot is None:
             raise SystemExit("--dot-baseline needs the AVX512-BF16 kernel, which this machine does not run")
         compare_kernels(dot, args.dot_baseline, "bf16_dot_linear", DOT_KERNEL_FLAGS, weights, args.rows,
                         args.repeats)
+    if args.packed_baseline:
+        if packed is None:
+            raise SystemExit("--packed-baseline needs the AVX512-BF16 kernels, which this machine does not run")
+        compare_kernels(packed, args.packed_baseline, "bf16_packed_linear", DOT_KERNEL_FLAGS, weights, args.rows,
+                        args.repeats, packed=True)
     if args.rows_baseline:
         compare_kernels(bf16_rows_linear(), args.rows_baseline, "bf16_rows_linear", ROW_KERNEL_FLAGS, weights,
                         args.rows, args.repeats)
@@ -81,12 +96,24 @@ def main(argv=None) -> int:
 
 
 def compare_kernels(current, source: str, function: str, flags: tuple[str, ...], weights: list[torch.Tensor],
-                    row_counts: list[int], repeats: int) -> None:
-    """Time ``function`` (bf16 rows, weight, bias -> bf16 rows) built from ``source`` against ``current`` over
-    ``weights``, alternating pass by pass, after checking whether both give the same outputs."""
+                    row_counts: list[int], repeats: int, packed: bool = False) -> None:
+    """Time ``function`` (bf16 rows, weight, bias -> bf16 rows; with ``packed``: bf16 rows, packed weight, N, bias)
+    built from ``source`` against ``current`` over ``weights``, alternating pass by pass, after checking whether both
+    give the same outputs."""
     text = Path(source).read_bytes()
     name = f"headstart_baseline_{function}_{hashlib.sha1(text).hexdigest()[:10]}"
-    baseline = getattr(build_source(Path(source).resolve(), name, flags), function)
+    built = getattr(build_source(Path(source).resolve(), name, flags), function)
+    if packed:  # both take the weight as it is, packed once here
+        copies = {id(w): pack_bf16_weight(w) for w in weights}
+        current_packed = current
+
+        def baseline(x, w, bias):
+            return built(x, copies[id(w)], w.shape[0], bias)
+
+        def current(x, w, bias):
+            return current_packed(x, copies[id(w)], w.shape[0], bias)
+    else:
+        baseline = built
     print(f"\n{function}\n| rows | {source} ms | current ms | baseline / current |\n|---:|---:|---:|---:|")
     for rows in row_counts:
         inputs = {k: torch.randn(rows, k).bfloat16() for k in {w.shape[1] for w in weights}}

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from heads.common import FrozenProjection
-from runtime.decode_layers import (DecodeFrozenProjection, DecodeLayers, DecodeLinear, decode_linear,
+from runtime.decode_layers import (DecodeFrozenProjection, DecodeLayers, DecodeLinear, PackedWeights, decode_linear,
                                    use_decode_layers)
+from runtime.kernels import bf16_packed_linear, pack_bf16_weight
 from runtime.target import Target
 from tests.conftest import tiny_model
 
@@ -53,7 +54,7 @@ def test_decode_frozen_projection_equals_the_stock_one(shape):
     with torch.inference_mode():
         stock = projection(hidden)
         use_decode_layers(projection)
-        assert type(projection) is DecodeFrozenProjection
+        assert isinstance(projection, DecodeFrozenProjection)
         fast = projection(hidden)
     torch.testing.assert_close(fast, stock, rtol=1e-5, atol=1e-5)
 
@@ -70,7 +71,7 @@ def test_use_decode_layers_switches_plain_linears_only_and_keeps_outputs():
         use_decode_layers(model)
         after = model(ids).logits
     layer = model.get_decoder().layers[0]
-    assert type(layer.self_attn.q_proj) is DecodeLinear and type(layer.mlp.down_proj) is DecodeLinear
+    assert isinstance(layer.self_attn.q_proj, DecodeLinear) and isinstance(layer.mlp.down_proj, DecodeLinear)
     assert type(model.extra) is Adapter
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
 
@@ -94,11 +95,46 @@ def test_decode_layers_are_active_only_inside_the_context():
     layers = DecodeLayers(model)
     q_proj = model.get_decoder().layers[0].self_attn.q_proj
     with layers.active():
-        assert type(q_proj) is DecodeLinear
+        assert isinstance(q_proj, DecodeLinear)
     assert type(q_proj) is torch.nn.Linear
     with pytest.raises(KeyError), layers.active():  # an error inside a pass still restores the stock classes
         raise KeyError("boom")
     assert type(q_proj) is torch.nn.Linear
+
+
+def test_packed_weights_follow_a_weight_that_changes():
+    store = PackedWeights()
+    weight = torch.randn(40, 8).bfloat16()
+    first = store.of(weight)
+    assert store.of(weight) is first and torch.equal(first, pack_bf16_weight(weight))
+    with torch.no_grad():
+        weight.mul_(2)  # in place: the version counter moves
+    second = store.of(weight)
+    assert second is not first and torch.equal(second, pack_bf16_weight(weight))
+    other = weight.clone()  # another tensor (a layer given new weights) gets its own copy
+    assert torch.equal(store.of(other), second) and store.of(other) is not second
+    assert len(store) == 2
+
+
+def test_bf16_decode_layers_pack_the_linears_and_keep_outputs():
+    """In bf16 on a CPU with the packed kernel every plain linear layer runs over a packed copy of its weight; the
+    logits stay those of the stock layers up to bf16 summation order, and the parameters are untouched."""
+    model = tiny_model("llama").bfloat16()
+    weights = {name: p.clone() for name, p in model.named_parameters()}
+    ids = torch.randint(0, model.config.vocab_size, (1, 6))
+    layers = DecodeLayers(model)
+    with torch.inference_mode():
+        before = model(ids).logits.float()
+        with layers.active():
+            after = model(ids).logits.float()
+    torch.testing.assert_close(after, before, rtol=0.03, atol=0.03)
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    if bf16_packed_linear() is None:
+        assert layers.packed is None
+    else:
+        assert len(layers.packed) == linears  # packed when the layers were built, once each
+    assert DecodeLayers(tiny_model("llama")).packed is None  # fp32 weights: nothing to pack
 
 
 def layer_classes(model) -> list[type]:
@@ -125,7 +161,7 @@ def test_target_leaves_a_users_model_unchanged_and_runs_decode_layers_in_its_pas
     target = Target(model, None, "tiny")
     SpeculativeDecoder(target, NgramProposer(), tree_size=4).generate(ids[0], 6)
     handle.remove()
-    assert seen and all(kind is DecodeLinear and impl == "headstart_tree" for kind, impl in seen)
+    assert seen and all(issubclass(kind, DecodeLinear) and impl == "headstart_tree" for kind, impl in seen)
     assert layer_classes(model) == classes and model.config._attn_implementation == attention
     assert [p.requires_grad for p in model.parameters()] == grads
     with torch.no_grad():

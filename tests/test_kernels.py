@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from runtime.decode_layers import DOT_KERNEL_MAX_ROWS, WEIGHT_MAJOR_MAX_ROWS, decode_linear
-from runtime.kernels import (KERNEL_CPU_CAPABILITIES, bf16_dot_linear, bf16_rows_linear, bf16_rows_matmul,
-                             decode_attention, rms_norm_rows)
+from runtime.kernels import (KERNEL_CPU_CAPABILITIES, bf16_dot_linear, bf16_packed_linear, bf16_rows_linear,
+                             bf16_rows_matmul, decode_attention, pack_bf16_weight, rms_norm_rows)
 
 
 def built_or_fail(accessor=bf16_rows_matmul):
@@ -119,6 +119,87 @@ def test_bf16_dot_linear_rejects_wrong_inputs():
         kernel(torch.randn(2, 8).bfloat16(), torch.randn(4, 6).bfloat16(), None)
     with pytest.raises(RuntimeError, match="bias"):
         kernel(torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16(), torch.randn(5).bfloat16())
+
+
+def test_pack_bf16_weight_layout_by_hand():
+    # pure torch (no kernel): weight [N, K] -> [ceil(N / 32), ceil(K / 2), 32, 2], element [b, p, c, e] =
+    # weight[32 b + c, 2 p + e], zeros beyond N and K
+    weight = torch.arange(35 * 3, dtype=torch.float32).reshape(35, 3).bfloat16()
+    packed = pack_bf16_weight(weight)
+    assert packed.shape == (2, 2, 32, 2) and packed.dtype == torch.bfloat16 and packed.is_contiguous()
+    assert packed[0, 0, 5].tolist() == [15.0, 16.0]  # row 5, k 0 and 1
+    assert packed[0, 1, 5].tolist() == [17.0, 0.0]  # k 2, then the zero beyond K = 3
+    assert packed[1, 1, 2].tolist() == [weight[34, 2].item(), 0.0]  # row 34 = 32 + 2
+    assert packed[1, :, 3:].abs().sum() == 0  # rows 35-63 do not exist
+    assert weight[0, 0] == 0.0 and weight.shape == (35, 3)  # the weight itself is untouched
+
+
+def packed_kernel_or_skip():
+    """The packed AVX512-BF16 kernel, on the same CPUs as the unpacked one."""
+    dot_kernel_or_skip()
+    kernel = bf16_packed_linear()
+    assert kernel is not None, "bf16_packed_linear: the kernel did not build on a CPU with AVX512-BF16"
+    return kernel
+
+
+# rows across the row blocks (12 at most, split evenly: 13 = 6 + 7), N across the 32-column blocks and their
+# 16-column halves, K odd (a zero pads the last pair) and shorter than a pair
+@pytest.mark.parametrize("rows", [1, 3, 12, 13, 16, 32])
+@pytest.mark.parametrize("n, k", [(37, 64), (576, 576), (300, 101), (7, 1), (48, 20)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_packed_linear_equals_fp32_product_then_one_rounding(rows, n, k, with_bias):
+    kernel = packed_kernel_or_skip()
+    generator = torch.Generator().manual_seed(rows * 1000 + n + k + with_bias)
+    x = torch.randn(rows, k, generator=generator).bfloat16()
+    weight = torch.randn(n, k, generator=generator).bfloat16()
+    bias = torch.randn(n, generator=generator).bfloat16() if with_bias else None
+    got = kernel(x, pack_bf16_weight(weight), n, bias)
+    exact = x.float() @ weight.float().T + (0 if bias is None else bias.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    step = exact.abs().clamp_min(1e-3) * 2.0 ** -7  # one bf16 step at each value's magnitude
+    assert ((got.float() - exact).abs() <= step).all()  # a correct rounding of the fp32 sum
+    assert (got == exact.to(torch.bfloat16)).float().mean() > 0.99  # only the summation order differs
+
+
+def test_bf16_packed_linear_rows_do_not_depend_on_their_neighbours():
+    """Each output is its own row's sum in one order, so a row alone and the same row among 31 others agree bit
+    for bit (sampling at batch > 1 relies on it)."""
+    kernel = packed_kernel_or_skip()
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(32, 576, generator=generator).bfloat16()
+    packed = pack_bf16_weight(torch.randn(100, 576, generator=generator).bfloat16())
+    together = kernel(x, packed, 100, None)
+    for row in (0, 13, 31):
+        alone = kernel(x[row:row + 1].contiguous(), packed, 100, None)
+        assert torch.equal(alone[0].view(torch.int16), together[row].view(torch.int16))
+
+
+def test_bf16_packed_linear_rounds_as_tensor_to_and_keeps_nan():
+    kernel = packed_kernel_or_skip()
+    x = torch.zeros(2, 2).bfloat16()
+    x[0, 0], x[1, 0] = 1.0, float("nan")
+    weight = torch.zeros(3, 2).bfloat16()
+    weight[:, 0] = 1.0
+    # 1 + half a bf16 step and 1 + 3 half steps: ties, to even down and up
+    bias = torch.tensor([2.0 ** -8, 3 * 2.0 ** -8, 0.0]).bfloat16()
+    got = kernel(x, pack_bf16_weight(weight), 3, bias)
+    assert got[0].tolist() == [1.0, 1.0 + 2.0 ** -6, 1.0]
+    exact = (x.float() @ weight.float().T + bias.float())
+    assert torch.equal(got[0].view(torch.int16), exact[0].to(torch.bfloat16).view(torch.int16))
+    assert got[1].isnan().all()
+
+
+def test_bf16_packed_linear_rejects_wrong_inputs():
+    kernel = packed_kernel_or_skip()
+    weight = torch.randn(40, 8).bfloat16()
+    with pytest.raises(RuntimeError, match="bfloat16 rows"):
+        kernel(torch.randn(2, 8), pack_bf16_weight(weight), 40, None)
+    with pytest.raises(RuntimeError, match="does not match"):
+        kernel(torch.randn(2, 6).bfloat16(), pack_bf16_weight(weight), 40, None)
+    with pytest.raises(RuntimeError, match="does not match"):
+        kernel(torch.randn(2, 8).bfloat16(), pack_bf16_weight(weight), 70, None)
+    with pytest.raises(RuntimeError, match="packed weight"):
+        kernel(torch.randn(2, 8).bfloat16(), weight, 40, None)
 
 
 @pytest.mark.parametrize("rows", [2, 4, 7, 24, 40])  # 40 rows: a prefill, the upcast product on CPUs without bf16 units

@@ -7,6 +7,8 @@ time).
 Where it cannot be built, callers get None and keep PyTorch's own product.
 ``bf16_dot_linear``: the bf16 linear layer with AVX512-BF16's dot-product instruction (bf16_dot_rows.cpp), on CPUs
 that have it: several times more rows per weight read before compute binds.
+``bf16_packed_linear``: the same layer over a weight packed once by ``pack_bf16_weight`` (bf16_packed_rows.cpp), on the
+same CPUs: no per-output reduction, so many rows run near the instruction's rate.
 ``decode_attention``: attention of a few bf16 query rows over a bf16 KV cache (decode_attention.cpp), tested against
 fp32 SDPA over the same values.
 ``rms_norm_rows``: the Llama-family RMSNorm over bf16 rows in one call (rms_norm.cpp), tested against the module.
@@ -27,7 +29,7 @@ SOURCE_DIR = Path(__file__).resolve().parent
 KERNEL_CPU_CAPABILITIES = ("AVX2", "AVX512")  # torch.backends.cpu.get_cpu_capability() values with AVX2 and FMA
 # the instruction sets each kernel is written for: the AVX2 kernels, and the AVX512-BF16 dot-product kernel
 ROW_KERNEL_FLAGS = ("-mavx2", "-mfma")
-DOT_KERNEL_FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512bf16")
+DOT_KERNEL_FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
 
 
 @functools.cache
@@ -120,6 +122,33 @@ def bf16_dot_linear() -> Callable[..., torch.Tensor] | None:
         return None
     module = _compiled("bf16_dot_rows.cpp", "bf16 rows use the AVX2 row kernel or PyTorch's product", DOT_KERNEL_FLAGS)
     return None if module is None else module.bf16_dot_linear
+
+
+PACKED_BLOCK_COLUMNS = 32  # output columns per packed block (bf16_packed_rows.cpp)
+
+
+def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bfloat16 -> [ceil(N / 32), ceil(K / 2), 32, 2] bfloat16, the layout ``bf16_packed_linear``
+    reads: element [b, p, c, e] = weight[32 b + c, 2 p + e], zeros beyond N and K. A copy; the weight is untouched."""
+    n, k = weight.shape
+    blocks, pairs = -(-n // PACKED_BLOCK_COLUMNS), -(-k // 2)
+    padded = torch.nn.functional.pad(weight.detach(), (0, 2 * pairs - k, 0, blocks * PACKED_BLOCK_COLUMNS - n))
+    return padded.reshape(blocks, PACKED_BLOCK_COLUMNS, pairs, 2).transpose(1, 2).contiguous()
+
+
+@functools.cache
+def bf16_packed_linear() -> Callable[..., torch.Tensor] | None:
+    """(x [M, K] bfloat16, packed (``pack_bf16_weight(weight)``), N, bias [N] or None) -> [M, N] bfloat16 through
+    AVX512-BF16's dot-product instruction, or None where ``bf16_dot_linear`` is None.
+
+    Each output is one fp32 sum over k of exact products, the bias added in fp32, one rounding; the reference it is
+    tested against is ``(x.float() @ weight.float().T + bias.float()).to(torch.bfloat16)``, equal up to summation
+    order. A row's outputs never depend on the other rows of the call.
+    """
+    if bf16_dot_linear() is None:  # the same CPU and build conditions
+        return None
+    module = _compiled("bf16_packed_rows.cpp", "bf16 rows use the unpacked dot-product kernel", DOT_KERNEL_FLAGS)
+    return None if module is None else module.bf16_packed_linear
 
 
 @functools.cache
