@@ -6,7 +6,7 @@ Attention: SmolLM2-135M's heads (9 query heads, 3 KV heads, head size 64) over `
 the new rows, keys and values as views of a longer cache buffer and a tree mask, as a verification pass has them,
 for ``--batch`` rows of a batch (a batched decode step: every row its own cache);
 PyTorch's SDPA (what the attention module runs otherwise, with the transpose to [B, T, H, D] after it) against
-``runtime.kernels.decode_attention``. RMSNorm: transformers' LlamaRMSNorm over the rows against
+``runtime.kernels.decode_attention`` (and, where that is the AVX512-BF16 build, its AVX2 build beside it). RMSNorm: transformers' LlamaRMSNorm over the rows against
 ``runtime.kernels.rms_norm_rows``. A pass runs 30 attention calls and 61 norms. Reports median microseconds over
 --repeats calls, interleaved. Run it with nothing else on the machine.
 """
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from runtime.kernels import decode_attention, rms_norm_rows
+from runtime.kernels import decode_attention, decode_attention_avx2, rms_norm_rows
 
 from bench_vocab_projection import median_ms  # scripts/bench_vocab_projection.py
 
@@ -38,10 +38,13 @@ def main(argv=None) -> int:
     attention, norm_rows = decode_attention(), rms_norm_rows()
     if attention is None or norm_rows is None:
         raise SystemExit("the decode kernels are not available on this machine (need AVX2, a C++ compiler, ninja)")
+    avx2 = decode_attention_avx2()
+    avx2 = avx2 if avx2 is not attention else None
     norm = LlamaRMSNorm(HIDDEN, eps=1e-5).bfloat16()
     print(f"{torch.get_num_threads()} threads, context {args.context}, batch {args.batch}")
-    print("| rows | SDPA us | attention kernel us | ratio | LlamaRMSNorm us | norm kernel us | ratio |\n"
-          "|---:|---:|---:|---:|---:|---:|---:|")
+    print("| rows | SDPA us | attention kernel us | ratio | LlamaRMSNorm us | norm kernel us | ratio |"
+          + (" AVX2 attention build us | AVX2 / kernel |" if avx2 is not None else "") + "\n"
+          + "|---:" * (7 + 2 * (avx2 is not None)) + "|")
     for rows in args.rows:
         slots = args.context + rows
         cache = torch.randn(2, args.batch, KV_HEADS, slots + 64, HEAD_SIZE).bfloat16()
@@ -51,7 +54,7 @@ def main(argv=None) -> int:
         mask[..., args.context:] = torch.ones(rows, rows, dtype=torch.bool).tril()
         scale = HEAD_SIZE ** -0.5
         hidden = torch.randn(args.batch, rows, HIDDEN).bfloat16()
-        times = {"sdpa": [], "kernel": [], "norm": [], "norm kernel": []}
+        times = {"sdpa": [], "kernel": [], "norm": [], "norm kernel": [], "avx2": []}
         for _ in range(3):  # interleaved rounds, so that a slow spell of the machine hits both alike
             times["sdpa"].append(median_ms(lambda: F.scaled_dot_product_attention(
                 query, key, value, attn_mask=mask, scale=scale, enable_gqa=True).transpose(1, 2).contiguous(),
@@ -60,9 +63,14 @@ def main(argv=None) -> int:
             times["norm"].append(median_ms(lambda: norm(hidden), args.repeats))
             times["norm kernel"].append(median_ms(lambda: norm_rows(hidden, norm.weight, norm.variance_epsilon),
                                                   args.repeats))
-        us = {name: sorted(values)[1] * 1000 for name, values in times.items()}
-        print(f"| {rows} | {us['sdpa']:.0f} | {us['kernel']:.0f} | {us['sdpa'] / us['kernel']:.1f} | "
-              f"{us['norm']:.1f} | {us['norm kernel']:.1f} | {us['norm'] / us['norm kernel']:.1f} |")
+            if avx2 is not None:
+                times["avx2"].append(median_ms(lambda: avx2(query, key, value, mask, scale), args.repeats))
+        us = {name: sorted(values)[1] * 1000 for name, values in times.items() if values}
+        line = (f"| {rows} | {us['sdpa']:.0f} | {us['kernel']:.0f} | {us['sdpa'] / us['kernel']:.1f} | "
+                f"{us['norm']:.1f} | {us['norm kernel']:.1f} | {us['norm'] / us['norm kernel']:.1f} |")
+        if avx2 is not None:
+            line += f" {us['avx2']:.0f} | {us['avx2'] / us['kernel']:.2f} |"
+        print(line)
     return 0
 
 

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 from runtime.decode_layers import DOT_KERNEL_MAX_ROWS, WEIGHT_MAJOR_MAX_ROWS, decode_linear
 from runtime.kernels import (KERNEL_CPU_CAPABILITIES, bf16_dot_linear, bf16_packed_linear, bf16_rows_linear,
-                             bf16_rows_matmul, decode_attention, pack_bf16_weight, rms_norm_rows)
+                             bf16_rows_matmul, decode_attention, decode_attention_avx2, pack_bf16_weight,
+                             rms_norm_rows)
 
 
 def built_or_fail(accessor=bf16_rows_matmul):
@@ -237,10 +238,15 @@ def cache_like_case(rows, context, dim, batch=1, heads=9, kv_heads=3, seed=0):
     return query, key, value, mask
 
 
+# the build this CPU runs (with AVX512-BF16 where it has them) and the AVX2 build every other x86 CPU runs
+ATTENTION_BUILDS = pytest.mark.parametrize("build", [decode_attention, decode_attention_avx2], ids=["chosen", "avx2"])
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 16])
 @pytest.mark.parametrize("context, dim", [(0, 64), (37, 64), (300, 64), (21, 128)])
-def test_decode_attention_equals_fp32_sdpa_over_the_same_values(rows, context, dim):
-    kernel = built_or_fail(decode_attention)
+@ATTENTION_BUILDS
+def test_decode_attention_equals_fp32_sdpa_over_the_same_values(rows, context, dim, build):
+    kernel = built_or_fail(build)
     query, key, value, mask = cache_like_case(rows, context, dim, seed=rows + context)
     got = kernel(query, key, value, mask, dim ** -0.5)
     reference = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
@@ -251,11 +257,12 @@ def test_decode_attention_equals_fp32_sdpa_over_the_same_values(rows, context, d
 
 
 @pytest.mark.parametrize("rows, heads, kv_heads", [(1, 9, 3), (16, 9, 3), (16, 8, 1), (16, 5, 1), (3, 4, 4)])
-def test_decode_attention_rows_do_not_depend_on_the_heads_sharing_their_task(rows, heads, kv_heads):
+@ATTENTION_BUILDS
+def test_decode_attention_rows_do_not_depend_on_the_heads_sharing_their_task(rows, heads, kv_heads, build):
     # a task takes as many heads of a KV group as fit (16 rows x 8 heads do not: two tasks; x 5: one head each)
     # while there are a few tasks per thread (hence 8 batch rows); every head's output must be bit-identical to that
     # head computed alone
-    kernel = built_or_fail(decode_attention)
+    kernel = built_or_fail(build)
     query, key, value, mask = cache_like_case(rows, 50, 64, batch=8, heads=heads, kv_heads=kv_heads, seed=rows)
     together = kernel(query, key, value, mask, 0.125)
     group = heads // kv_heads
@@ -268,8 +275,9 @@ def test_decode_attention_rows_do_not_depend_on_the_heads_sharing_their_task(row
     torch.testing.assert_close(together.float(), reference, rtol=2 ** -8, atol=1e-5)
 
 
-def test_decode_attention_takes_batches_no_mask_and_gives_zeros_where_nothing_is_visible():
-    kernel = built_or_fail(decode_attention)
+@ATTENTION_BUILDS
+def test_decode_attention_takes_batches_no_mask_and_gives_zeros_where_nothing_is_visible(build):
+    kernel = built_or_fail(build)
     query, key, value, mask = cache_like_case(4, 10, 64, batch=2, heads=4, kv_heads=2)
     mask[1, 0, 2] = False  # row 2 of batch row 1 may attend to nothing
     got = kernel(query, key, value, mask, 0.125).float()
@@ -284,12 +292,13 @@ def test_decode_attention_takes_batches_no_mask_and_gives_zeros_where_nothing_is
         rtol=2 ** -8, atol=1e-5)
 
 
-def test_decode_attention_takes_packed_rows_bit_identical_to_padded_ones():
+@ATTENTION_BUILDS
+def test_decode_attention_takes_packed_rows_bit_identical_to_padded_ones(build):
     """Rows of different lengths packed one after another (a ragged pass, ``runtime.ragged``): each real row's output
     is bit-identical to what the kernel gives it laid out padded, and padding is never computed."""
     from runtime.ragged import RaggedRows
 
-    kernel = built_or_fail(decode_attention)
+    kernel = built_or_fail(build)
     query, key, value, mask = cache_like_case(5, 40, 64, batch=3, heads=9, kv_heads=3, seed=4)
     counts = [5, 1, 3]
     padded = kernel(query, key, value, mask, 0.125)  # [B, T, H, D]
@@ -304,8 +313,9 @@ def test_decode_attention_takes_packed_rows_bit_identical_to_padded_ones():
         kernel(packed_query[:, :, :8], key, value, mask, 0.125, torch.tensor([5, 0, 3]))
 
 
-def test_decode_attention_rejects_what_it_cannot_take():
-    kernel = built_or_fail(decode_attention)
+@ATTENTION_BUILDS
+def test_decode_attention_rejects_what_it_cannot_take(build):
+    kernel = built_or_fail(build)
     query, key, value, mask = cache_like_case(4, 10, 64)
     with pytest.raises(RuntimeError, match="bfloat16"):
         kernel(query.float(), key, value, mask, 0.125)
@@ -356,3 +366,11 @@ def test_a_build_lock_left_by_a_killed_build_falls_back_instead_of_waiting(monke
         with pytest.warns(UserWarning, match="left from a build that was killed"):
             assert kernels._compiled.__wrapped__("rms_norm.cpp", "PyTorch's ops run") is None
     assert lock.exists()  # not ours to delete
+
+
+def test_cpus_with_avx512_bf16_run_the_attention_build_made_for_them():
+    from runtime.kernels import avx512_bf16_kernels
+
+    if not avx512_bf16_kernels():
+        pytest.skip("the CPU (or torch's capability) has no AVX512-BF16")
+    assert decode_attention() is not None and decode_attention() is not decode_attention_avx2()

@@ -33,13 +33,13 @@ DOT_KERNEL_FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", 
 
 
 @functools.cache
-def _compiled(source: str, fallback: str, isa_flags: tuple[str, ...] = ROW_KERNEL_FLAGS):
+def _compiled(source: str, fallback: str, isa_flags: tuple[str, ...] = ROW_KERNEL_FLAGS, variant: str = ""):
     """The compiled ``source`` (a file beside this one), or None where it cannot be built or run; ``fallback`` says
     in the warning what runs instead. ``isa_flags``: the instruction sets it is written for (the caller checks that
-    the CPU has them beyond AVX2)."""
+    the CPU has them beyond AVX2); ``variant`` names a second build of the same source with other flags."""
     if torch.backends.cpu.get_cpu_capability() not in KERNEL_CPU_CAPABILITIES:
         return None  # the kernels are written with AVX2/FMA intrinsics
-    name = f"headstart_{Path(source).stem}"
+    name = f"headstart_{Path(source).stem}" + (f"_{variant}" if variant else "")
     stale = _stale_build_lock(name)
     if stale is not None:
         warnings.warn(f"the kernel {source} is not built: {stale} is left from a build that was killed, and the "
@@ -106,6 +106,14 @@ def bf16_rows_linear() -> Callable[..., torch.Tensor] | None:
     return None if module is None else module.bf16_rows_linear
 
 
+def avx512_bf16_kernels() -> bool:
+    """Whether the AVX512-BF16 builds may run here: the CPU's AVX512-BF16, and torch's own AVX-512 capability
+    (AVX512F/BW/VL/DQ, which the kernels' loads need). A user who pins torch to AVX2 (ATEN_CPU_CAPABILITY=avx2) gets
+    no AVX-512 code from here either."""
+    return (torch.backends.cpu.get_cpu_capability() == "AVX512"
+            and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+
+
 @functools.cache
 def bf16_dot_linear() -> Callable[..., torch.Tensor] | None:
     """(x [M, K] bfloat16, weight [N, K] bfloat16, bias [N] or None) -> [M, N] bfloat16 through AVX512-BF16's
@@ -114,11 +122,7 @@ def bf16_dot_linear() -> Callable[..., torch.Tensor] | None:
     fp32 sums of exact products, the bias added in fp32, one rounding: the reference it is tested against is
     ``(x.float() @ weight.float().T + bias.float()).to(torch.bfloat16)``, equal up to summation order.
     """
-    # the CPU's AVX512-BF16, and torch's own AVX-512 capability (AVX512F/BW/VL/DQ, which the kernel's loads need):
-    # a user who pins torch to AVX2 (ATEN_CPU_CAPABILITY=avx2) gets no AVX-512 code from here either
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return None
-    if not getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
+    if not avx512_bf16_kernels():
         return None
     module = _compiled("bf16_dot_rows.cpp", "bf16 rows use the AVX2 row kernel or PyTorch's product", DOT_KERNEL_FLAGS)
     return None if module is None else module.bf16_dot_linear
@@ -152,6 +156,14 @@ def bf16_packed_linear() -> Callable[..., torch.Tensor] | None:
 
 
 @functools.cache
+def decode_attention_avx2() -> Callable[..., torch.Tensor] | None:
+    """``decode_attention``'s AVX2 build, or None: what CPUs without AVX512-BF16 run (benchmarks time it beside the
+    other build, tests hold both to the same reference)."""
+    module = _compiled("decode_attention.cpp", "bf16 decode steps use PyTorch's SDPA")
+    return None if module is None else module.decode_attention
+
+
+@functools.cache
 def decode_attention() -> Callable[..., torch.Tensor] | None:
     """(query [B, H, T, D] bf16, key/value [B, Hkv, S, D] bf16, mask [B or 1, 1, T, S] bool or None, scale,
     counts [B] or None) -> out [B, T, H, D] bf16, for 1-16 query rows and head size 64 or 128 (last dimensions
@@ -160,10 +172,15 @@ def decode_attention() -> Callable[..., torch.Tensor] | None:
     and the output is [1, T', H, D] in that order.
 
     Scores, softmax and the weighted sum are fp32 over the bf16 values, with one rounding at the end; the reference it
-    is tested against is fp32 SDPA over the same values. A row that may attend to nothing gets zeros.
+    is tested against is fp32 SDPA over the same values. A row that may attend to nothing gets zeros. On a CPU with
+    AVX512-BF16 the same source is built with those instructions (scores by bf16 dot products, 16 lanes wide).
     """
-    module = _compiled("decode_attention.cpp", "bf16 decode steps use PyTorch's SDPA")
-    return None if module is None else module.decode_attention
+    if avx512_bf16_kernels():
+        module = _compiled("decode_attention.cpp", "bf16 decode steps use the AVX2 build", DOT_KERNEL_FLAGS,
+                           variant="avx512bf16")
+        if module is not None:
+            return module.decode_attention
+    return decode_attention_avx2()
 
 
 @functools.cache

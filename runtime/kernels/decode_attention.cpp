@@ -189,6 +189,149 @@ void attend_rows(const uint16_t* const* q_rows, const bool* const* mask_rows, in
   }
 }
 
+#ifdef __AVX512BF16__
+// The same task on CPUs with AVX512-BF16 (this file built a second time with those flags; runtime.kernels):
+// a score is the dot product of the bf16 query and key rows with the dot-product instruction (32 exact products
+// per instruction, summed in fp32), scaled after; the softmax and the weighted sum of fp32-widened values run
+// 16 lanes wide. Scores of 16 keys come out of one transposing sum of 16 accumulators, so a key costs a few
+// instructions per row rather than a widening and a chain of FMAs per row (scripts/bench_decode_ops.py).
+
+// 16 accumulators' lane sums as one vector [sum(a[0]), ..., sum(a[15])]. Every accumulator's lanes are added in the
+// same tree, so a score does not depend on the keys beside it.
+inline __m512 horizontal_sums16(const __m512* a) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [A0+A2, B0+B2, A1+A3, B1+B3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of accumulators 4i .. 4i + 3
+    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                    _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88), _mm512_shuffle_f32x4(low, high, 0xDD));
+}
+
+// exp16: exp8's polynomial, 16 lanes.
+inline __m512 exp16(__m512 x) {
+  const __m512 floor_x = _mm512_set1_ps(-87.0f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, floor_x, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, floor_x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(~underflow, y, _mm512_castsi512_ps(exponent));
+}
+
+inline __m512 widen16(const uint16_t* bits) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bits));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// fp32 -> bf16 bits, round to nearest even and NaN -> 0x7FC0 (c10::BFloat16's conversion), 16 lanes.
+inline __m256i round_to_bf16(__m512 value) {
+  const __m512i bits = _mm512_castps_si512(value);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+// which of keys s .. s + count - 1 a row may attend to, as mask bits (all when the row has no mask)
+inline __mmask16 visible_keys(const bool* mask, int64_t ms_s, int64_t s, int count) {
+  const __mmask16 all = (__mmask16)((1u << count) - 1);
+  if (mask == nullptr) return all;
+  if (ms_s == 1 && count == 16)
+    return _mm_test_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mask + s)), _mm_set1_epi8(-1));
+  __mmask16 bits = 0;
+  for (int j = 0; j < count; ++j) bits |= (mask[(s + j) * ms_s] ? 1u : 0u) << j;
+  return bits;
+}
+
+// attend_rows with AVX512-BF16; PAIRS = D / 32 (one 512-bit load of a key or query row holds 32 bf16 values).
+template <int PAIRS>
+void attend_rows_bf16(const uint16_t* const* q_rows, const bool* const* mask_rows, int64_t ms_s,
+                      uint16_t* const* out_rows, int64_t R, const uint16_t* k, const uint16_t* v, int64_t ks_t,
+                      int64_t vs_t, int64_t S, float scale, float* scores) {
+  constexpr int64_t D = PAIRS * 32;
+  constexpr int kChunks = D / 16;  // fp32 vectors per value row
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m512 minus_infinity = _mm512_set1_ps(neg_inf);
+  __m512 top[kMaxTaskRows];
+  for (int64_t r = 0; r < R; ++r) top[r] = minus_infinity;
+  // scores, 16 keys at a time for every row, the keys' block staying in L1 while the rows pass over it
+  for (int64_t s = 0; s < S; s += 16) {
+    const int count = static_cast<int>(std::min<int64_t>(16, S - s));
+    for (int64_t r = 0; r < R; ++r) {
+      __m512bh query[PAIRS];
+      for (int p = 0; p < PAIRS; ++p) query[p] = (__m512bh)_mm512_loadu_si512(q_rows[r] + p * 32);
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        acc[j] = _mm512_setzero_ps();
+        if (j < count)
+          for (int p = 0; p < PAIRS; ++p)
+            acc[j] = _mm512_dpbf16_ps(acc[j], query[p], (__m512bh)_mm512_loadu_si512(k + (s + j) * ks_t + p * 32));
+      }
+      const __mmask16 visible = visible_keys(mask_rows[r], ms_s, s, count);
+      const __m512 block = _mm512_mask_mul_ps(minus_infinity, visible, horizontal_sums16(acc), _mm512_set1_ps(scale));
+      top[r] = _mm512_mask_max_ps(top[r], (__mmask16)((1u << count) - 1), top[r], block);
+      _mm512_mask_storeu_ps(scores + r * S + s, (__mmask16)((1u << count) - 1), block);
+    }
+  }
+  float inverse_sum[kMaxTaskRows];
+  for (int64_t r = 0; r < R; ++r) {
+    float* row = scores + r * S;
+    const float row_max = _mm512_reduce_max_ps(top[r]);
+    if (row_max == neg_inf) {  // a row that may attend to nothing: zero output, not NaN
+      std::fill(row, row + S, 0.0f);
+      inverse_sum[r] = 0.0f;
+      continue;
+    }
+    const __m512 shift = _mm512_set1_ps(row_max);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t s = 0; s < S; s += 16) {
+      const __mmask16 lanes = (__mmask16)((1u << std::min<int64_t>(16, S - s)) - 1);
+      const __m512 p = _mm512_maskz_mov_ps(lanes, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, row + s), shift)));
+      _mm512_mask_storeu_ps(row + s, lanes, p);
+      total = _mm512_add_ps(total, p);
+    }
+    inverse_sum[r] = 1.0f / _mm512_reduce_add_ps(total);
+  }
+  // the weighted sum of values, each value row widened once per block of rows
+  constexpr int64_t kRowsPerBlock = 24 / kChunks;  // 24 accumulators
+  for (int64_t r0 = 0; r0 < R; r0 += kRowsPerBlock) {
+    const int64_t rows = std::min<int64_t>(kRowsPerBlock, R - r0);
+    __m512 acc[kRowsPerBlock][kChunks];
+    for (int64_t r = 0; r < rows; ++r)
+      for (int c = 0; c < kChunks; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < S; ++s) {
+      __m512 value[kChunks];
+      for (int c = 0; c < kChunks; ++c) value[c] = widen16(v + s * vs_t + c * 16);
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512 weight = _mm512_set1_ps(scores[(r0 + r) * S + s]);
+        for (int c = 0; c < kChunks; ++c) acc[r][c] = _mm512_fmadd_ps(weight, value[c], acc[r][c]);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 norm = _mm512_set1_ps(inverse_sum[r0 + r]);
+      for (int c = 0; c < kChunks; ++c)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_rows[r0 + r] + c * 16),
+                            round_to_bf16(_mm512_mul_ps(acc[r][c], norm)));
+    }
+  }
+}
+#endif
+
 }  // namespace
 
 // query [B, H, T, D], key/value [B, Hkv, S, D] (bf16, last dimension contiguous, H a multiple of Hkv), mask
@@ -266,7 +409,11 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
   }
   const int64_t tasks_per_row = H / heads;
   const float qk_scale = static_cast<float>(scale);
+#ifdef __AVX512BF16__
+  auto attend = D == 64 ? attend_rows_bf16<2> : attend_rows_bf16<4>;
+#else
   auto attend = D == 64 ? attend_rows<8> : attend_rows<16>;
+#endif
   at::parallel_for(0, B * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(heads * T * S);
     const uint16_t* q_rows[kMaxTaskRows];
