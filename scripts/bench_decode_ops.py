@@ -6,9 +6,10 @@ Attention: SmolLM2-135M's heads (9 query heads, 3 KV heads, head size 64) over `
 the new rows, keys and values as views of a longer cache buffer and a tree mask, as a verification pass has them,
 for ``--batch`` rows of a batch (a batched decode step: every row its own cache);
 PyTorch's SDPA (what the attention module runs otherwise, with the transpose to [B, T, H, D] after it) against
-``runtime.kernels.decode_attention`` (and, where that is the AVX512-BF16 build, its AVX2 build beside it). RMSNorm: transformers' LlamaRMSNorm over the rows against
-``runtime.kernels.rms_norm_rows``. A pass runs 30 attention calls and 61 norms. Reports median microseconds over
---repeats calls, interleaved. Run it with nothing else on the machine.
+``runtime.kernels.decode_attention`` (and, where that is the AVX512-BF16 build, its AVX2 build beside it).
+RMSNorm: transformers' LlamaRMSNorm over the rows against ``runtime.kernels.rms_norm_rows``. A pass runs 30
+attention calls and 61 norms. Reports median microseconds over --repeats calls, interleaved. Run it with nothing
+else on the machine.
 """
 
 from __future__ import annotations
