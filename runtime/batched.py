@@ -42,6 +42,12 @@ from its own passes and pulled towards what every row of the run gets accepted f
 further node would add, and the nodes worth their cost on that curve go in, best first, whichever row they belong
 to: a row in repetitive text drafts deep while its neighbours draft nothing. A proposer that sizes its own trees
 (``runtime.proposers.base.sizes_own_tree``) keeps its size at every batch size.
+
+The cost curve holds verification alone, and a proposer's prior acceptance is an average over other text; at many
+rows a head's drafting over every row, or lower acceptance, can make the curve's size lose to plain decoding. So a
+greedy run of several rows whose one size drafts measures it (``runtime.tree_sizing.DraftingTrial``): its first
+passes draft, the next decode plainly, and the faster keeps the run. Through the plain passes the rows keep what the
+proposer reads (a head's hidden states), so drafting can resume where it left off.
 """
 
 from __future__ import annotations
@@ -67,7 +73,7 @@ from runtime.proposers.base import (NoProposer, Proposer, ProposeInput, draft_so
 from runtime.sampling import SamplingParams, new_generator
 from runtime.target import Target
 from runtime.tree import Draft, Tree
-from runtime.tree_sizing import DepthAcceptance, allocate_nodes, probe_step
+from runtime.tree_sizing import DepthAcceptance, DraftingTrial, allocate_nodes, probe_step
 
 
 def prefill_inputs(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -165,7 +171,9 @@ class BatchedDecoder:
     at all, and decodes plainly where it would not (``scripts/bench_batch_drafting.py --compare per-row-sizes`` measures
     per-row sizes against one size per run). A sampling run keeps the one-row size, so a sampled row's trees never
     depend on its neighbours. attention and acceptance as in ``runtime.decoder.SpeculativeDecoder``. ``stats`` describes
-    the latest run (``BatchStats``). ``monitor``: the proposer's rolling depth-1 acceptance over every row of every run,
+    the latest run (``BatchStats``). trial_passes: a greedy run of several rows whose one size drafts measures it
+    against plain decoding, this many passes each, and keeps the faster (``runtime.tree_sizing.DraftingTrial``);
+    0 trusts the cost curve. ``monitor``: the proposer's rolling depth-1 acceptance over every row of every run,
     with a warning when it stays far below what its head measured in training (``runtime.monitor.AcceptanceMonitor``); a
     row's own rate is its result's ``depth_acceptance[0]``. draft_together: greedy rows draft in one proposer call where
     the proposer can (``propose_rows``); False drafts every row alone, as sampled rows always do
@@ -179,7 +187,8 @@ class BatchedDecoder:
 
     def __init__(self, target: Target, proposer: Proposer | None = None, tree_size: int | None = None,
                  attention: str = "auto", acceptance: str = "exact", draft_together: bool = True,
-                 record_layers: Sequence[int] | None = None, per_row_sizes: bool | None = False):
+                 record_layers: Sequence[int] | None = None, per_row_sizes: bool | None = False,
+                 trial_passes: int = 32):
         self.target = target
         self.draft_together = draft_together
         self.proposer = proposer if proposer is not None else NoProposer()
@@ -197,6 +206,8 @@ class BatchedDecoder:
             self.tree_size_reason = "chosen per run from the cost curve at its batch size"
         self.tree_size = tree_size
         self.per_row_sizes = per_row_sizes
+        self.trial_passes = trial_passes
+        self.trial: DraftingTrial | None = None  # set per greedy run of many rows until drafting is measured
         self.allocation: Allocation | None = None  # set per greedy run whose sizes are allocated per pass
         self.stats = BatchStats()
         self.monitor = monitor_for(self.proposer)
@@ -264,6 +275,7 @@ class BatchedDecoder:
              seeds: list[int] | None, batch_size: int, stops: Stops) -> Iterator[tuple[int, GenerationResult]]:
         self.stats = stats = BatchStats()
         self.allocation = None
+        self.trial = None
         if not prompts:
             return
         started = time.perf_counter()
@@ -281,6 +293,10 @@ class BatchedDecoder:
             self.tree_size_reason = f"fixed for this run at {reason}"
             if self._allocates(sampling):
                 self._start_allocation(width)
+            elif (self.trial_passes and width > 1 and self.tree_size > 1 and sampling.greedy
+                  and self.acceptance == "exact"):
+                self.trial = DraftingTrial(self.tree_size, self.trial_passes, warmup=min(2, self.trial_passes - 1))
+                self.tree_size_reason = f"from the cost curve at {reason}, then measured against plain decoding"
         # A run of 1-node trees never drafts, so its passes need not return, nor its rows gather, anything for the
         # proposer to read: the step then costs what plain decoding's does.
         self.proposer_layers = tuple(self.proposer.hidden_layers) if self.drafting else ()
@@ -336,12 +352,30 @@ class BatchedDecoder:
                     break
                 cache.keep_rows(live)
                 rows = [rows[slot] for slot in live]
+            size = self.tree_size if self.trial is None else self.trial.size()
+            step_started = time.perf_counter()
             with torch.inference_mode():
-                self._step(rows, cache, sampling)  # type: ignore[arg-type]
+                emitted = self._step(rows, cache, sampling, size)  # type: ignore[arg-type]
+            if self.trial is not None:
+                self.trial.observe(size, emitted, time.perf_counter() - step_started)
+                if self.trial.decided is not None:
+                    self._end_trial(rows)  # type: ignore[arg-type]
             stats.passes += 1
             stats.row_passes += len(rows)
             stats.seconds = time.perf_counter() - started
         stats.seconds = time.perf_counter() - started
+
+    def _end_trial(self, rows: list[_Row]) -> None:
+        """The trial has measured drafting against plain decoding: the run keeps the faster. Plain decoding then stops
+        returning, and the rows stop keeping, anything for the proposer to read."""
+        self.tree_size_reason += f": {self.trial.report()}"
+        if self.trial.decided == 1:
+            self.tree_size = 1
+            self.proposer_layers = ()
+            self.pass_layers = self.record_layers or ()
+            for row in rows:
+                row.new_hidden, row.new_layer_hidden = None, ()
+        self.trial = None
 
     def _allocates(self, sampling: SamplingParams) -> bool:
         """Whether this run's tree sizes are allocated per row and pass (``tree_size`` holds the run's one size):
@@ -417,14 +451,16 @@ class BatchedDecoder:
             rows.append(row)
         return rows
 
-    def _step(self, rows: list[_Row], cache: KVCache, sampling: SamplingParams) -> None:
-        """Draft a tree per row, verify every row's tree in one target pass, accept per row, compact the cache."""
+    def _step(self, rows: list[_Row], cache: KVCache, sampling: SamplingParams, size: int) -> int:
+        """Draft a tree of up to ``size`` nodes per row (1: none), verify every row's tree in one target pass, accept
+        per row, compact the cache. Returns the tokens the pass emitted over all rows."""
         target, device, proposer = self.target, self.target.device, self.proposer
         greedy = sampling.greedy and self.acceptance == "exact"
-        if not self.drafting:  # an EAGLE head would otherwise still run over every verified row
+        drafted = self.drafting and size > 1
+        if not drafted:  # an EAGLE head would otherwise still run over every verified row
             drafts = [Draft(Tree.chain(int(row.history[row.length - 1]), [], device=device)) for row in rows]
         else:
-            sizes, sources = [self.tree_size] * len(rows), [None] * len(rows)
+            sizes, sources = [size] * len(rows), [None] * len(rows)
             if self.allocation is not None:
                 sizes, sources = self._allocate(rows)
             steps = [ProposeInput(row.history[:row.length], row.new_hidden, row.new_layer_hidden, size, sampling,
@@ -502,7 +538,7 @@ class BatchedDecoder:
         cache.compact(keep.to(device), torch.tensor([len(path) for path, _ in paths], device=device))
         for b, (row, tree, (path, bonus)) in enumerate(zip(rows, trees, paths)):
             row.extra_logits = logits[b][tree.size:drafts[b].rows] if drafts[b].extra_count else None
-            if self.drafting:
+            if drafted:
                 observe(proposer, row.state, row.history[:row.length], tree, logits[b][:tree.size])
                 if self.allocation is not None:
                     for learner in (row.acceptance[sources[b]], self.allocation.acceptance[sources[b]]):
@@ -517,10 +553,20 @@ class BatchedDecoder:
                 index = torch.tensor(path, device=device) + spans[b].start
                 hidden = out.hidden[lead[b], index]
                 layer_hidden = tuple(h[lead[b], index] for h in out.layer_hidden)
-                row.new_hidden = hidden if reads_hidden else None
-                row.new_layer_hidden = layer_hidden[:proposer_layers]
+                if self.drafting and not drafted:
+                    # a pass that drafts nothing in a run that drafts (a trial's plain phase): the proposer has not
+                    # read the rows it was given yet, so this pass's rows go after them
+                    row.new_hidden = (None if not reads_hidden else hidden if row.new_hidden is None
+                                      else torch.cat([row.new_hidden, hidden]))
+                    row.new_layer_hidden = tuple(
+                        torch.cat([row.new_layer_hidden[i], new]) if i < len(row.new_layer_hidden) else new
+                        for i, new in enumerate(layer_hidden[:proposer_layers]))
+                else:
+                    row.new_hidden = hidden if reads_hidden else None
+                    row.new_layer_hidden = layer_hidden[:proposer_layers]
                 if row.recorded is not None:
                     self._record(row, hidden, layer_hidden[proposer_layers:])
+        return sum(len(path) for path, _ in paths)
 
     def _allocate(self, rows: list[_Row]) -> tuple[list[int], list[str]]:
         """(each row's tree size for this pass, the drafter that drafts it), from each row's acceptance with that

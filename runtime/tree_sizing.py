@@ -165,6 +165,60 @@ class TreeSizer:
                 "acceptance_by_depth": [round(self.acceptance.rate(d), 3) for d in range(1, depths + 1)]}
 
 
+class DraftingTrial:
+    """Whether drafting pays in a greedy run of many rows, measured rather than predicted.
+
+    The size a batched run drafts at comes from the cost curve at its batch size, which holds verification alone:
+    at many rows a head's drafting over every row, or acceptance below the proposer's prior, can make those trees
+    slower than plain decoding. So the run's first ``passes`` passes draft at ``size``, the next ``passes`` decode
+    plainly, and whichever emitted more tokens per second of its passes (drafting included; the first ``warmup`` of
+    each phase left out, where a switch has work to catch up) keeps the rest of the run.
+
+    Pure bookkeeping: the decoder asks ``size()`` before each pass and reports ``observe``; ``decided`` is the
+    chosen size once both phases are measured.
+    """
+
+    def __init__(self, size: int, passes: int = 32, warmup: int = 2):
+        if size < 2 or passes <= warmup:
+            raise ValueError(f"a trial needs a drafting size >= 2 and more passes ({passes}) than warm-up ({warmup})")
+        self.drafting_size = size
+        self.passes = passes
+        self.warmup = warmup
+        self.count = 0
+        self.tokens = {size: 0, 1: 0}
+        self.seconds = {size: 0.0, 1: 0.0}
+        self.decided: int | None = None
+
+    def size(self) -> int:
+        """The tree size of the next pass."""
+        if self.decided is not None:
+            return self.decided
+        return self.drafting_size if self.count < self.passes else 1
+
+    def observe(self, size: int, tokens: int, seconds: float) -> None:
+        """A pass of ``size`` emitted ``tokens`` (all rows, bonus tokens included) in ``seconds`` (drafting and
+        verification)."""
+        if self.decided is not None:
+            return
+        if self.count % self.passes >= self.warmup:
+            self.tokens[size] += tokens
+            self.seconds[size] += seconds
+        self.count += 1
+        if self.count == 2 * self.passes:
+            self.decided = self.drafting_size if self.rate(self.drafting_size) > self.rate(1) else 1
+
+    def rate(self, size: int) -> float:
+        """Tokens per second measured at ``size`` so far."""
+        return self.tokens[size] / self.seconds[size] if self.seconds[size] > 0 else 0.0
+
+    def report(self) -> str:
+        rates = (f"{self.rate(self.drafting_size):.1f} tokens/s drafting at {self.drafting_size}, "
+                 f"{self.rate(1):.1f} plain")
+        if self.decided is None:
+            return f"on trial ({rates} so far)"
+        return f"{self.decided}: {'drafting' if self.decided > 1 else 'plain decoding'} measured faster ({rates})"
+
+
 def probe_step(step: int, every: int = 32) -> bool:
     """Whether step ``step`` (counting from 1) probes a size other than the best: steps 4, 8 and 16, then every
     ``every``th (never when ``every`` is 0)."""

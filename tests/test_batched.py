@@ -77,6 +77,7 @@ def test_sizes_allocated_per_row_and_pass_match_hf_greedy(name, monkeypatch):
 
     monkeypatch.setattr(runtime.cost_model, "cost_curve",
                         lambda target, batch_size=1: {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3, 16: 2.0})
+    monkeypatch.setattr("runtime.batched.cost_curve", runtime.cost_model.cost_curve)  # its own import
     target = target_for("llama")
     references = [hf_greedy("llama", prompt) for prompt in PROMPTS]
     from runtime.proposers.lookup_first import LookupFirstProposer
@@ -94,6 +95,42 @@ def test_sizes_allocated_per_row_and_pass_match_hf_greedy(name, monkeypatch):
             assert len(sizes) > 1 and max(sizes) > run_size.tree_size  # the rows' sizes differ, lookup's go deep
         else:
             assert max(sizes) <= run_size.tree_size
+
+
+@pytest.mark.parametrize("outcome", ["plain", "drafting"])
+def test_a_drafting_trial_keeps_every_row_equal_to_hf_greedy(outcome, monkeypatch):
+    """A greedy run of several rows drafts, then decodes plainly, then keeps one of the two (here forced). Through
+    the plain passes a head keeps collecting the rows' hidden states, so that where drafting resumes it reads every
+    position it missed; where plain decoding stays it reads nothing more. Every row stays HF greedy's."""
+    import runtime.batched
+    import runtime.cost_model
+    from runtime.proposers.lookup_first import LookupFirstProposer
+    from runtime.tree_sizing import DraftingTrial
+
+    class Forced(DraftingTrial):
+        def observe(self, size, tokens, seconds):
+            super().observe(size, tokens, seconds)
+            if self.decided is not None:
+                self.decided = 1 if outcome == "plain" else self.drafting_size
+
+    monkeypatch.setattr(runtime.batched, "DraftingTrial", Forced)
+    monkeypatch.setattr(runtime.cost_model, "cost_curve", lambda target, batch_size=1: {1: 1.0, 2: 1.05, 4: 1.1})
+    monkeypatch.setattr("runtime.batched.cost_curve", runtime.cost_model.cost_curve)  # its own import
+    target = target_for("llama")
+    references = [hf_greedy("llama", prompt) for prompt in PROMPTS]
+    heads = head_proposers(target)
+    candidates = {"eagle3+ngram": LookupFirstProposer(heads["eagle3"]), "eagle": heads["eagle"],
+                  "medusa": heads["medusa"], **proposers(target, "llama")}
+    candidates.pop("none")  # nothing to try
+    for name, proposer in candidates.items():
+        decoder = BatchedDecoder(target, proposer, trial_passes=2)
+        results = check_rows(decoder, references, 3, f"{name}/trial {outcome}")
+        assert "measured faster" in decoder.tree_size_reason, name
+        sizes = [size for result in results for size in result.tree_sizes]
+        if outcome == "plain":
+            assert decoder.tree_size == 1 and sizes[-1] == 1
+        else:
+            assert decoder.tree_size > 1 and max(sizes) > 1
 
 
 def test_lookahead_rows_match_hf_greedy_with_their_own_tree_size():
@@ -266,7 +303,7 @@ def test_rows_with_different_accepted_lengths_compact_to_their_own_paths():
             for row in rows:
                 row.history[row.length:row.length + len(row.pending)] = torch.tensor(row.pending)
                 row.length += len(row.pending)
-            decoder._step(rows, cache, greedy)
+            decoder._step(rows, cache, greedy, decoder.tree_size)
         for row in rows:  # the last pass's tokens: all but the bonus token are in the cache
             row.history[row.length:row.length + len(row.pending)] = torch.tensor(row.pending)
             row.length += len(row.pending)
@@ -418,6 +455,7 @@ def test_a_seed_repeats_its_draws_with_adaptive_tree_sizes(monkeypatch):
 
     monkeypatch.setattr(runtime.cost_model, "cost_curve", lambda target, batch_size=1: {1: 1.0, 2: 1.05, 4: 1.1,
                                                                                          8: 1.3})
+    monkeypatch.setattr("runtime.batched.cost_curve", runtime.cost_model.cost_curve)  # its own import
     target = target_for("llama")
     draft = target_from_model(tiny_model("llama", seed=1, vocab_size=VOCAB), identity="draft")
     proposer = DraftModelProposer(draft, target, "chain", depth=6)
@@ -503,7 +541,7 @@ def test_one_pass_gives_every_row_its_own_logits(arch, attention, dtype, monkeyp
             row.history[row.length] = row.pending[0]
             row.length += 1
         histories = [row.history[:row.length].clone() for row in rows]
-        decoder._step(rows, cache, SamplingParams())
+        decoder._step(rows, cache, SamplingParams(), decoder.tree_size)
     verify = outputs[-1]
     sizes = [len(parents) + 1 for parents, _ in shapes]
     assert verify.hidden.shape[:2] == (1, sum(sizes)) and torch.isfinite(verify.hidden).all()

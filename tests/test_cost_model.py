@@ -133,6 +133,7 @@ def test_the_batched_tree_size_follows_the_cost_curve_at_the_batch_size(monkeypa
     curves = {1: {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3}, 2: {1: 1.0, 2: 1.1, 4: 1.45, 8: 2.0},
               4: {1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5}}
     monkeypatch.setattr(runtime.cost_model, "cost_curve", lambda target, batch_size=1: curves[batch_size])
+    monkeypatch.setattr("runtime.batched.cost_curve", runtime.cost_model.cost_curve)  # its own import
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=64), identity="tiny")
     decoder = BatchedDecoder(target, NgramProposer(), per_row_sizes=False)  # prior acceptance 0.45
     default = BatchedDecoder(target, NgramProposer(), per_row_sizes=None)  # per row where one size would draft
@@ -306,3 +307,29 @@ def test_lookup_first_searches_the_history_once_where_nothing_matches():
     assert proposer.propose(state, step(history)).size > 1 and searches == [6]
     proposer.propose(state, step([1, 2, 3, 4, 1, 2, 9]))  # no draft_source call for this length: lookup searches
     assert searches == [6, 7]
+
+
+def test_drafting_trial_by_hand():
+    """A greedy batched run drafts for its first passes, decodes plainly for as many, and keeps whichever emitted
+    more tokens per second; each phase's first passes (a switch's catching up) are left out."""
+    from runtime.tree_sizing import DraftingTrial
+
+    trial = DraftingTrial(3, passes=4, warmup=1)
+    sizes = []
+    # drafting: 8 tokens in 0.2 s after a slow first pass; plain: 4 tokens in 0.05 s
+    for tokens, seconds in [(1, 9.0), (8, 0.2), (8, 0.2), (8, 0.2), (4, 0.0), (4, 0.05), (4, 0.05), (4, 0.05)]:
+        sizes.append(trial.size())
+        assert trial.decided is None
+        trial.observe(sizes[-1], tokens, seconds)
+    assert sizes == [3] * 4 + [1] * 4
+    assert trial.rate(3) == pytest.approx(40.0) and trial.rate(1) == pytest.approx(80.0)
+    assert trial.decided == 1 and trial.size() == 1 and "plain decoding measured faster" in trial.report()
+    trial.observe(1, 100, 0.001)  # decided: later passes change nothing
+    assert trial.decided == 1 and trial.rate(1) == pytest.approx(80.0)
+
+    drafting_wins = DraftingTrial(2, passes=2, warmup=0)
+    for tokens, seconds in [(9, 0.1), (9, 0.1), (4, 0.1), (4, 0.1)]:
+        drafting_wins.observe(drafting_wins.size(), tokens, seconds)
+    assert drafting_wins.decided == 2 and "drafting measured faster" in drafting_wins.report()
+    with pytest.raises(ValueError, match="drafting size"):
+        DraftingTrial(1)
