@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx512_round.h"
 #include "bf16_linear.h"
 
 #include <algorithm>
@@ -36,14 +37,6 @@ inline __m512bh pair_of(const uint16_t* x) {  // x[0], x[1] broadcast to every l
   return (__m512bh)_mm512_set1_epi32(bits);
 }
 
-// fp32 -> bf16 bits, round to nearest even and NaN -> 0x7FC0: c10::BFloat16's conversion, 16 lanes at a time.
-inline __m256i round_to_bf16(__m512 value) {
-  const __m512i bits = _mm512_castps_si512(value);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(rounded);
-}
 
 // ROWS rows of x (bf16 bits, row stride x_stride, at least 2 * pairs elements each) times one packed block
 // [pairs, 32, 2] -> out[m * out_stride + c] for the block's first `columns` columns, bias (fp32, 32 entries) or null.

@@ -17,6 +17,10 @@
 #include <limits>
 #include <vector>
 
+#ifdef __AVX512BF16__
+#include "avx512_round.h"
+#endif
+
 namespace {
 
 constexpr int64_t kMaxRows = 16;  // query rows per call; longer passes (prefills) stay on SDPA
@@ -238,14 +242,6 @@ inline __m512 widen16(const uint16_t* bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// fp32 -> bf16 bits, round to nearest even and NaN -> 0x7FC0 (c10::BFloat16's conversion), 16 lanes.
-inline __m256i round_to_bf16(__m512 value) {
-  const __m512i bits = _mm512_castps_si512(value);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(rounded);
-}
 
 // which of keys s .. s + count - 1 a row may attend to, as mask bits (all when the row has no mask)
 inline __mmask16 visible_keys(const bool* mask, int64_t ms_s, int64_t s, int count) {
