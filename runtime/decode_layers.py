@@ -204,7 +204,7 @@ class DecodeLayers:
     """
 
     def __init__(self, model: nn.Module):
-        # bf16 weights on a CPU with AVX512-BF16 are packed for the packed kernel on first use (a copy of each)
+        # bf16 weights on a CPU with AVX512-BF16 get packed copies for the packed kernel, made here (below)
         self.packed = packed_weights_for(model)
         decode_class = decode_layer_classes(self.packed)
         self.swaps = [(layer, type(layer), fast) for layer in model.modules()
