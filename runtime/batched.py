@@ -55,7 +55,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -68,12 +68,13 @@ from runtime.decoder import (GenerationResult, Stops, checked_backend, checked_d
 from runtime.kv_cache import KVCache
 from runtime.ragged import RaggedRows
 from runtime.monitor import monitor_for
-from runtime.proposers.base import (NoProposer, Proposer, ProposeInput, draft_source, drafters, extra_rows,
+from runtime.proposers.base import (NoProposer, Proposer, ProposeInput, draft_key, drafters, extra_rows,
                                     observe, propose_rows, sizes_own_tree)
 from runtime.sampling import SamplingParams, new_generator
 from runtime.target import Target
 from runtime.tree import Draft, Tree
-from runtime.tree_sizing import DepthAcceptance, DraftingTrial, allocate_nodes, probe_step
+from runtime.tree_sizing import (DepthAcceptance, DraftingTrial, allocate_nodes, allocation_value,
+                                 interpolated_cost, probe_step)
 
 
 def prefill_inputs(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -138,41 +139,90 @@ class _Row:
     generator: torch.Generator | None
     result: GenerationResult
     started: float
-    new_hidden: torch.Tensor | None = None
-    new_layer_hidden: tuple[torch.Tensor, ...] = ()
+    # the target's features of rows verified since the proposer last drafted for this row, one entry per pass: the
+    # last hidden states [n, H] and the proposer's layers' inputs (a tuple of [n, H]); its next proposal reads them
+    hidden_parts: list[torch.Tensor] = field(default_factory=list)
+    layer_parts: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
     pending: list[int] | None = None  # tokens from the last pass not yet emitted
     extra_logits: torch.Tensor | None = None  # [E, V]: the last pass's logits at this row's extra rows
     recorded: list[tuple[torch.Tensor, ...]] | None = None  # record_layers: (hidden, layer inputs...) per pass
-    acceptance: dict[str, DepthAcceptance] | None = None  # per drafter, where sizes are allocated per pass
+    # per drafter and level (``Allocation.learners``), where sizes are allocated per pass
+    acceptance: dict[tuple[str, int], DepthAcceptance] | None = None
 
 
 @dataclass
 class Allocation:
     """Per-pass tree sizes for a greedy run (``allocate_nodes``): the cost curve at the run's batch size, the
-    drafters' largest trees, and each drafter's acceptance by depth over every row of the run."""
+    drafters' largest trees and prior acceptance, and acceptance by depth over every row of the run for each drafter
+    and level (``runtime.proposers.base.draft_key``: prompt lookup's longer matches are right more often than its
+    shorter ones, and learnt apart)."""
 
     curve: dict[int, float]
     largest: dict[str, int]  # drafter -> its largest tree (nodes, root included)
-    acceptance: dict[str, DepthAcceptance]
+    priors: dict[str, float]  # drafter -> its prior per-node acceptance
+    models: set[str]  # the drafters that draft with a model (a head, a draft model): their calls cost time
+    acceptance: dict[tuple[str, int], DepthAcceptance] = field(default_factory=dict)
+    # Learnt from the run's steps (moving averages): the seconds of a verification pass of one node per row (from
+    # each pass's seconds and the curve at its size), what a step costs beside its pass and a model's drafting (in
+    # such passes), and the seconds of a call that drafts with a model. The curve holds verification alone.
+    pass_seconds: float | None = None
+    overhead: float = 0.0
+    model_call: float = 0.0
 
-    def row_acceptance(self) -> dict[str, DepthAcceptance]:
-        """A new row's own acceptance per drafter, pulled towards the run's until it has passes of its own."""
-        return {name: DepthAcceptance(run.prior, parent=run) for name, run in self.acceptance.items()}
+    def observe_step(self, nodes_per_row: float, forward: float, model: float, step: float) -> None:
+        """One step's seconds: its verification pass (``nodes_per_row`` nodes per row on average), a model's
+        drafting (0: no row drafted with a model), the whole step."""
+        one = forward / interpolated_cost(self.curve, nodes_per_row)
+        self.pass_seconds = one if self.pass_seconds is None else 0.9 * self.pass_seconds + 0.1 * one
+        self.overhead = 0.9 * self.overhead + 0.1 * max(step - forward - model, 0.0) / self.pass_seconds
+        if model:
+            self.model_call = model if not self.model_call else 0.9 * self.model_call + 0.1 * model
+
+    def sizes(self, gains: list[list[float]], keys: list[tuple[str, int] | None]) -> list[int]:
+        """Each row's tree size for one step (``allocate_nodes``), ``gains`` being what each row's draft nodes would
+        add and ``keys`` who drafts them. A model's call costs about as much for one row as for all (a decode-sized
+        pass is bound by reading weights and per-call overhead), so the rows lookup drafts are sized without it, then
+        all rows with it, and the step that gets more tokens per unit of cost is taken."""
+        fixed = self.overhead
+        models = [key is not None and key[0] in self.models for key in keys]
+        free = [[] if model else row_gains for row_gains, model in zip(gains, models)]
+        sizes = allocate_nodes(free, self.curve, fixed)
+        if any(model and row_gains for row_gains, model in zip(gains, models)):
+            call = self.model_call / self.pass_seconds if self.pass_seconds else 0.0
+            with_models = allocate_nodes(gains, self.curve, fixed + call)
+            if (allocation_value(gains, with_models, self.curve, fixed + call)
+                    > allocation_value(free, sizes, self.curve, fixed)):
+                return with_models
+        return sizes
+
+    def learners(self, row: _Row, key: tuple[str, int]) -> tuple[DepthAcceptance, DepthAcceptance]:
+        """(``row``'s own acceptance for drafter and level ``key``, pulled towards the run's until it has passes of
+        its own; the run's), each made on first use."""
+        run = self.acceptance.get(key)
+        if run is None:
+            run = self.acceptance[key] = DepthAcceptance(self.priors[key[0]])
+        own = row.acceptance.get(key)
+        if own is None:
+            own = row.acceptance[key] = DepthAcceptance(run.prior, parent=run)
+        return own, run
 
 
 class BatchedDecoder:
     """Generate for several prompts at once with ``target``, drafting with ``proposer`` (one proposer state per row).
 
     tree_size: the verified tree's size (nodes, root included) for every row and step; None chooses sizes per run from
-    the cost curve measured at the run's batch size. per_row_sizes (with tree_size None): False (the default) keeps one
-    size for the run (``runtime.cost_model.batch_tree_size``: it shrinks as the batch grows, to plain decoding where
-    drafting stops paying); True has a greedy run allocate each row's size per pass from that curve and each row's
-    acceptance (``runtime.tree_sizing.allocate_nodes``); None allocates per row where one size for the run would draft
-    at all, and decodes plainly where it would not (``scripts/bench_batch_drafting.py --compare per-row-sizes`` measures
-    per-row sizes against one size per run). A sampling run keeps the one-row size, so a sampled row's trees never
+    the cost curve measured at the run's batch size. per_row_sizes (with tree_size None): None (the default) has a
+    greedy run allocate each row's size per pass (``runtime.tree_sizing.allocate_nodes``: from that curve, what a
+    step costs beside it, and each row's acceptance at its drafter and level) where one size for the run would draft
+    at all, and decode plainly where it would not; False keeps one size for the run (``runtime.cost_model.
+    batch_tree_size``: it shrinks as the batch grows, to plain decoding where drafting stops paying); True always
+    allocates (``scripts/bench_batch_drafting.py --compare per-row-sizes`` measures per-row sizes against one size per
+    run). A row given no draft node skips its proposer that pass. A sampling run keeps the one-row size, so a sampled
+    row's trees never
     depend on its neighbours. attention and acceptance as in ``runtime.decoder.SpeculativeDecoder``. ``stats`` describes
-    the latest run (``BatchStats``). trial_passes: a greedy run of several rows whose one size drafts measures it
-    against plain decoding, this many passes each, and keeps the faster (``runtime.tree_sizing.DraftingTrial``);
+    the latest run (``BatchStats``). trial_passes: a greedy run of several rows that drafts measures drafting against
+    plain decoding, this many passes each in alternating blocks, and keeps the faster
+    (``runtime.tree_sizing.DraftingTrial``);
     0 trusts the cost curve. ``monitor``: the proposer's rolling depth-1 acceptance over every row of every run,
     with a warning when it stays far below what its head measured in training (``runtime.monitor.AcceptanceMonitor``); a
     row's own rate is its result's ``depth_acceptance[0]``. draft_together: greedy rows draft in one proposer call where
@@ -187,7 +237,7 @@ class BatchedDecoder:
 
     def __init__(self, target: Target, proposer: Proposer | None = None, tree_size: int | None = None,
                  attention: str = "auto", acceptance: str = "exact", draft_together: bool = True,
-                 record_layers: Sequence[int] | None = None, per_row_sizes: bool | None = False,
+                 record_layers: Sequence[int] | None = None, per_row_sizes: bool | None = None,
                  trial_passes: int = 32):
         self.target = target
         self.draft_together = draft_together
@@ -229,8 +279,9 @@ class BatchedDecoder:
         report: dict = {"reason": self.tree_size_reason}
         if self.allocation is not None:
             report["acceptance_by_depth"] = {
-                name: [round(run.rate(d), 3) for d in range(1, len(run.attempts) + 1)]
-                for name, run in self.allocation.acceptance.items()}
+                name if not level else f"{name}@{level}": [round(run.rate(d), 3)
+                                                           for d in range(1, len(run.attempts) + 1)]
+                for (name, level), run in sorted(self.allocation.acceptance.items())}
         return report
 
     def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int,
@@ -293,10 +344,13 @@ class BatchedDecoder:
             self.tree_size_reason = f"fixed for this run at {reason}"
             if self._allocates(sampling):
                 self._start_allocation(width)
-            elif (self.trial_passes and width > 1 and self.tree_size > 1 and sampling.greedy
-                  and self.acceptance == "exact"):
-                self.trial = DraftingTrial(self.tree_size, self.trial_passes, warmup=min(2, self.trial_passes - 1))
-                self.tree_size_reason = f"from the cost curve at {reason}, then measured against plain decoding"
+            if (self.trial_passes and width > 1 and self.tree_size > 1 and sampling.greedy
+                    and self.acceptance == "exact"):
+                # the curve holds verification alone, and a packed pass of ragged rows costs more than the curve's
+                # uniform ones: whether drafting pays is measured
+                self.trial = DraftingTrial(self.tree_size, self.trial_passes, block=min(4, self.trial_passes))
+                source = self.tree_size_reason if self.allocation is not None else f"from the cost curve at {reason}"
+                self.tree_size_reason = f"{source}, then measured against plain decoding"
         # A run of 1-node trees never drafts, so its passes need not return, nor its rows gather, anything for the
         # proposer to read: the step then costs what plain decoding's does.
         self.proposer_layers = tuple(self.proposer.hidden_layers) if self.drafting else ()
@@ -374,7 +428,7 @@ class BatchedDecoder:
             self.proposer_layers = ()
             self.pass_layers = self.record_layers or ()
             for row in rows:
-                row.new_hidden, row.new_layer_hidden = None, ()
+                row.hidden_parts, row.layer_parts = [], []
         self.trial = None
 
     def _allocates(self, sampling: SamplingParams) -> bool:
@@ -394,7 +448,7 @@ class BatchedDecoder:
         curve = cost_curve(self.target, width)
         if width == 1:
             curve = {size: cost for size, cost in curve.items() if size <= ADAPTIVE_MAX_SIZE}
-        largest, acceptance = {}, {}
+        largest, priors = {}, {}
         for name, drafter in drafters(self.proposer).items():
             depth = max_draft_depth(drafter)
             largest[name] = max(curve) if depth is None else min(max(curve), depth + 1)
@@ -402,8 +456,10 @@ class BatchedDecoder:
                 # A model drafts a tree level by level, a cost the curve (verification alone) does not hold: its
                 # rows go no deeper than one size for the whole run would make them.
                 largest[name] = min(largest[name], batch_tree_size(self.target, drafter, width)[0])
-            acceptance[name] = DepthAcceptance(drafter.expected_acceptance)
-        self.allocation = Allocation(curve, largest, acceptance)
+            priors[name] = drafter.expected_acceptance
+        models = {name for name, drafter in drafters(self.proposer).items()
+                  if not getattr(drafter, "drafts_without_a_model", False)}
+        self.allocation = Allocation(curve, largest, priors, models)
         self.tree_size = max(largest.values())
         self.tree_size_reason = (f"up to {self.tree_size}, allocated per row and pass on this machine's cost curve at "
                                  f"{width} rows from each row's acceptance")
@@ -439,10 +495,11 @@ class BatchedDecoder:
             row = _Row(i, history, length, proposer.start(prompts[i], row_max), generator,
                        GenerationResult([], [], 1, 0.0, "length"), started)
             if self.allocation is not None:
-                row.acceptance = self.allocation.row_acceptance()
+                row.acceptance = {}
             if proposer.needs_hidden and self.drafting:
-                row.new_hidden = out.hidden[b, :length]
-            row.new_layer_hidden = tuple(h[b, :length] for h in out.layer_hidden[:proposer_layers])
+                row.hidden_parts.append(out.hidden[b, :length])
+            if proposer_layers:
+                row.layer_parts.append(tuple(h[b, :length] for h in out.layer_hidden[:proposer_layers]))
             if self.record_layers is not None:
                 row.recorded = []
                 self._record(row, out.hidden[b, :length],
@@ -455,32 +512,44 @@ class BatchedDecoder:
         """Draft a tree of up to ``size`` nodes per row (1: none), verify every row's tree in one target pass, accept
         per row, compact the cache. Returns the tokens the pass emitted over all rows."""
         target, device, proposer = self.target, self.target.device, self.proposer
+        step_started = time.perf_counter()
+        model_seconds = 0.0  # drafting with a model, where sizes are allocated per pass
         greedy = sampling.greedy and self.acceptance == "exact"
-        drafted = self.drafting and size > 1
-        if not drafted:  # an EAGLE head would otherwise still run over every verified row
-            drafts = [Draft(Tree.chain(int(row.history[row.length - 1]), [], device=device)) for row in rows]
-        else:
+        drafts = [Draft(Tree.chain(int(row.history[row.length - 1]), [], device=device)) for row in rows]
+        drafting: list[int] = []  # the rows whose proposer drafts this pass
+        if self.drafting and size > 1:
             sizes, sources = [size] * len(rows), [None] * len(rows)
             if self.allocation is not None:
                 sizes, sources = self._allocate(rows)
-            steps = [ProposeInput(row.history[:row.length], row.new_hidden, row.new_layer_hidden, size, sampling,
-                                  row.generator, row.extra_logits) for row, size in zip(rows, sizes)]
-            if greedy and self.draft_together:
+            # a row given no draft node skips its proposer (an EAGLE head would still read its rows); what it would
+            # have read waits in the row for its next draft
+            drafting = [b for b, size in enumerate(sizes) if size > 1]
+            steps = [self._propose_input(rows[b], sizes[b], sampling) for b in drafting]
+            if not drafting:
+                proposals = []
+            elif greedy and self.draft_together:
                 # Greedy output does not depend on the trees, so a head may draft for all rows in one pass (its
                 # trees can differ by rounding with the batch's shape); a sampled row's draws depend on its tree,
                 # which must not depend on its neighbours, so it drafts alone.
-                drafting = time.perf_counter()
-                proposals = propose_rows(proposer, [row.state for row in rows], steps)
-                share = (time.perf_counter() - drafting) / len(rows)
-                for row in rows:
-                    row.result.draft_seconds += share
+                started = time.perf_counter()
+                proposals = propose_rows(proposer, [rows[b].state for b in drafting], steps)
+                seconds = time.perf_counter() - started
+                for b in drafting:
+                    rows[b].result.draft_seconds += seconds / len(drafting)
+                if self.allocation is not None and any(sources[b][0] in self.allocation.models for b in drafting):
+                    model_seconds = seconds
             else:
                 proposals = []
-                for row, step in zip(rows, steps):
-                    drafting = time.perf_counter()
-                    proposals.append(proposer.propose(row.state, step))
-                    row.result.draft_seconds += time.perf_counter() - drafting
-            drafts = [checked_draft(proposal, proposer, size) for proposal, size in zip(proposals, sizes)]
+                for b, step in zip(drafting, steps):
+                    started = time.perf_counter()
+                    proposals.append(proposer.propose(rows[b].state, step))
+                    seconds = time.perf_counter() - started
+                    rows[b].result.draft_seconds += seconds
+                    if self.allocation is not None and sources[b][0] in self.allocation.models:
+                        model_seconds += seconds
+            for b, proposal in zip(drafting, proposals):
+                drafts[b] = checked_draft(proposal, proposer, sizes[b])
+        drafted = set(drafting)
         trees = [draft.tree for draft in drafts]
         batch = len(rows)
         counts = [draft.rows for draft in drafts]
@@ -513,9 +582,11 @@ class BatchedDecoder:
             real = torch.arange(nodes)[None, :] < torch.tensor(counts)[:, None]  # [B, N]
             tokens, positions = tokens[real][None], positions[real][None]
             ragged = RaggedRows.from_counts(counts, positions[0].to(device))
+        forward_started = time.perf_counter()
         out = target.forward(tokens.to(device), positions.to(device), cache, mask.to(device),
                              hidden_layers=self.pass_layers, backend=self.attention,
                              prefix_len=min(committed), key_positions=key_positions.to(device), ragged=ragged)
+        forward_seconds = time.perf_counter() - forward_started
         # each row's outputs [n_b, ...]: its slice of the packed pass, or its padded row
         spans = ragged.row_slices() if ragged is not None else [slice(0, nodes)] * batch
         lead = [0] * batch if ragged is not None else list(range(batch))
@@ -538,10 +609,10 @@ class BatchedDecoder:
         cache.compact(keep.to(device), torch.tensor([len(path) for path, _ in paths], device=device))
         for b, (row, tree, (path, bonus)) in enumerate(zip(rows, trees, paths)):
             row.extra_logits = logits[b][tree.size:drafts[b].rows] if drafts[b].extra_count else None
-            if drafted:
+            if b in drafted:
                 observe(proposer, row.state, row.history[:row.length], tree, logits[b][:tree.size])
                 if self.allocation is not None:
-                    for learner in (row.acceptance[sources[b]], self.allocation.acceptance[sources[b]]):
+                    for learner in self.allocation.learners(row, sources[b]):
                         learner.observe(tree.max_depth, len(path) - 1)
             result = row.result
             result.target_forwards += 1
@@ -553,32 +624,43 @@ class BatchedDecoder:
                 index = torch.tensor(path, device=device) + spans[b].start
                 hidden = out.hidden[lead[b], index]
                 layer_hidden = tuple(h[lead[b], index] for h in out.layer_hidden)
-                if self.drafting and not drafted:
-                    # a pass that drafts nothing in a run that drafts (a trial's plain phase): the proposer has not
-                    # read the rows it was given yet, so this pass's rows go after them
-                    row.new_hidden = (None if not reads_hidden else hidden if row.new_hidden is None
-                                      else torch.cat([row.new_hidden, hidden]))
-                    row.new_layer_hidden = tuple(
-                        torch.cat([row.new_layer_hidden[i], new]) if i < len(row.new_layer_hidden) else new
-                        for i, new in enumerate(layer_hidden[:proposer_layers]))
-                else:
-                    row.new_hidden = hidden if reads_hidden else None
-                    row.new_layer_hidden = layer_hidden[:proposer_layers]
+                if reads_hidden:
+                    row.hidden_parts.append(hidden)
+                if proposer_layers:
+                    row.layer_parts.append(layer_hidden[:proposer_layers])
                 if row.recorded is not None:
                     self._record(row, hidden, layer_hidden[proposer_layers:])
+        if self.allocation is not None:
+            self.allocation.observe_step(sum(counts) / batch, forward_seconds, model_seconds,
+                                         time.perf_counter() - step_started)
         return sum(len(path) for path, _ in paths)
 
-    def _allocate(self, rows: list[_Row]) -> tuple[list[int], list[str]]:
-        """(each row's tree size for this pass, the drafter that drafts it), from each row's acceptance with that
-        drafter (``allocate_nodes``)."""
+    @staticmethod
+    def _propose_input(row: _Row, size: int, sampling: SamplingParams) -> ProposeInput:
+        """What ``row``'s proposer drafts a tree of up to ``size`` nodes from: its history and the target features
+        of every row verified since it last drafted (which it then has read)."""
+        parts, layer_parts = row.hidden_parts, row.layer_parts
+        hidden = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
+        layer_hidden = (() if not layer_parts else layer_parts[0] if len(layer_parts) == 1
+                        else tuple(torch.cat(layer) for layer in zip(*layer_parts)))
+        row.hidden_parts, row.layer_parts = [], []
+        return ProposeInput(row.history[:row.length], hidden, layer_hidden, size, sampling, row.generator,
+                            row.extra_logits)
+
+    def _allocate(self, rows: list[_Row]) -> tuple[list[int], list[tuple[str, int] | None]]:
+        """(each row's tree size for this pass, the drafter and level that draft it: None where it finds nothing to
+        draft), from each row's acceptance at that drafter and level (``allocate_nodes``)."""
         allocation = self.allocation
-        sources = [draft_source(self.proposer, row.state, row.history[:row.length]) for row in rows]
-        gains = [row.acceptance[source].reach(allocation.largest[source] - 1) for row, source in zip(rows, sources)]
-        sizes = allocate_nodes(gains, allocation.curve)
-        # Now and then a row drafts one node more than its estimate pays for: acceptance is learnt only from nodes
-        # drafted, so a row whose estimate once fell below the cost would otherwise never draft again.
-        return [min(size + 1, allocation.largest[source]) if probe_step(row.result.target_forwards) else size
-                for row, size, source in zip(rows, sizes, sources)], sources
+        keys = [draft_key(self.proposer, row.state, row.history[:row.length]) for row in rows]
+        gains = [[] if key is None else allocation.learners(row, key)[0].reach(allocation.largest[key[0]] - 1)
+                 for row, key in zip(rows, keys)]
+        sizes = allocation.sizes(gains, keys)
+        # Now and then every row drafts one node more than its estimate pays for: acceptance is learnt only from
+        # nodes drafted, so a row whose estimate once fell below the cost would otherwise never draft again. All rows
+        # probe in the same pass, where one call of a model drafts for all of them.
+        probe = probe_step(self.stats.passes + 1)
+        return [min(size + 1, allocation.largest[key[0]]) if key is not None and probe else size
+                for size, key in zip(sizes, keys)], keys
 
 
 def recorded_features(recorded: list[tuple[torch.Tensor, ...]], layers: tuple[int, ...],

@@ -169,20 +169,26 @@ class DraftingTrial:
     """Whether drafting pays in a greedy run of many rows, measured rather than predicted.
 
     The size a batched run drafts at comes from the cost curve at its batch size, which holds verification alone:
-    at many rows a head's drafting over every row, or acceptance below the proposer's prior, can make those trees
-    slower than plain decoding. So the run's first ``passes`` passes draft at ``size``, the next ``passes`` decode
-    plainly, and whichever emitted more tokens per second of its passes (drafting included; the first ``warmup`` of
-    each phase left out, where a switch has work to catch up) keeps the rest of the run.
+    at many rows a head's drafting over every row, ragged passes dearer than the curve's uniform ones, or acceptance
+    below the proposer's prior can make drafting slower than plain decoding. So the run's first 2 ``passes`` passes
+    alternate, ``block`` passes drafting at ``size``, then ``block`` decoding plainly, and whichever emitted more tokens
+    per second of its passes (drafting included; the first ``warmup`` passes of each block left out, where a switch
+    has work to catch up) keeps the rest of the run. Alternating short blocks, rather than one phase after the other,
+    exposes both to the same stretches of text and of the machine's speed, which drifts by tens of percent within
+    minutes on a shared CPU.
 
     Pure bookkeeping: the decoder asks ``size()`` before each pass and reports ``observe``; ``decided`` is the
-    chosen size once both phases are measured.
+    chosen size once both are measured.
     """
 
-    def __init__(self, size: int, passes: int = 32, warmup: int = 2):
-        if size < 2 or passes <= warmup:
-            raise ValueError(f"a trial needs a drafting size >= 2 and more passes ({passes}) than warm-up ({warmup})")
+    def __init__(self, size: int, passes: int = 32, warmup: int = 1, block: int = 4):
+        warmup = min(warmup, block - 1)
+        if size < 2 or block < 1 or passes < block:
+            raise ValueError(f"a trial needs a drafting size >= 2 (got {size}) and at least a block of passes "
+                             f"(block {block}, {passes} passes) each way")
         self.drafting_size = size
         self.passes = passes
+        self.block = block
         self.warmup = warmup
         self.count = 0
         self.tokens = {size: 0, 1: 0}
@@ -193,18 +199,18 @@ class DraftingTrial:
         """The tree size of the next pass."""
         if self.decided is not None:
             return self.decided
-        return self.drafting_size if self.count < self.passes else 1
+        return self.drafting_size if (self.count // self.block) % 2 == 0 else 1
 
     def observe(self, size: int, tokens: int, seconds: float) -> None:
         """A pass of ``size`` emitted ``tokens`` (all rows, bonus tokens included) in ``seconds`` (drafting and
         verification)."""
         if self.decided is not None:
             return
-        if self.count % self.passes >= self.warmup:
+        if self.count % self.block >= self.warmup:
             self.tokens[size] += tokens
             self.seconds[size] += seconds
         self.count += 1
-        if self.count == 2 * self.passes:
+        if self.count >= 2 * self.passes and self.count % (2 * self.block) == 0:
             self.decided = self.drafting_size if self.rate(self.drafting_size) > self.rate(1) else 1
 
     def rate(self, size: int) -> float:
@@ -242,24 +248,26 @@ def interpolated_cost(curve: dict[int, float], size: int) -> float:
     return curve[below] * (1 - weight) + curve[upper] * weight
 
 
-def allocate_nodes(gains: Sequence[Sequence[float]], curve: dict[int, float]) -> list[int]:
+def allocate_nodes(gains: Sequence[Sequence[float]], curve: dict[int, float], fixed: float = 0.0) -> list[int]:
     """Tree sizes (nodes, root included) for the B rows of one packed pass (``runtime.ragged``), which costs
     ``curve`` at R total nodes: {nodes per row: cost of a pass of B rows of that many, relative to one each},
-    interpolated at R / B.
+    interpolated at R / B, plus ``fixed``: what a step costs beside its verification pass (drafting, bookkeeping) in
+    the same unit.
 
     gains[b]: the tokens row b's 1st, 2nd, ... draft node adds (``DepthAcceptance.reach``: non-increasing). Nodes
-    are added best first, whichever row they belong to, while they raise the pass's expected tokens per unit of
+    are added best first, whichever row they belong to, while they raise the step's expected tokens per unit of
     cost; each row gets at most len(gains[b]) drafts. A row whose drafts are likely right gets a deep tree and one
-    whose drafts are not gets none, so the pass pays only for nodes worth their cost at this batch size.
+    whose drafts are not gets none, so the pass pays only for nodes worth their cost at this batch size. A fixed
+    cost makes a step dearer per token, so nodes pay sooner.
     """
     batch = len(gains)
     sizes = [1] * batch
-    nodes, tokens, cost = batch, float(batch), interpolated_cost(curve, 1)
+    nodes, tokens, cost = batch, float(batch), interpolated_cost(curve, 1) + fixed
     waiting = [(-row_gains[0], b) for b, row_gains in enumerate(gains) if row_gains]
     heapq.heapify(waiting)
     while waiting:
         gain, b = heapq.heappop(waiting)
-        more = interpolated_cost(curve, (nodes + 1) / batch)
+        more = interpolated_cost(curve, (nodes + 1) / batch) + fixed
         if (tokens - gain) * cost <= tokens * more:  # (tokens + gain) / more <= tokens / cost: it does not pay
             break
         sizes[b] += 1
@@ -267,3 +275,10 @@ def allocate_nodes(gains: Sequence[Sequence[float]], curve: dict[int, float]) ->
         if sizes[b] - 1 < len(gains[b]):
             heapq.heappush(waiting, (-gains[b][sizes[b] - 1], b))
     return sizes
+
+
+def allocation_value(gains: Sequence[Sequence[float]], sizes: Sequence[int], curve: dict[int, float],
+                     fixed: float = 0.0) -> float:
+    """Expected tokens per unit of cost of a step that verifies ``sizes`` (as ``allocate_nodes``)."""
+    tokens = sum(1 + sum(row_gains[:size - 1]) for row_gains, size in zip(gains, sizes))
+    return tokens / (interpolated_cost(curve, sum(sizes) / len(sizes)) + fixed)

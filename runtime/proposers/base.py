@@ -97,6 +97,17 @@ def draft_source(proposer, state: Any, history: torch.Tensor) -> str:
     return proposer.name if choose is None else choose(state, history)
 
 
+def draft_key(proposer, state: Any, history: torch.Tensor) -> tuple[str, int] | None:
+    """(the drafter that drafts the next step: ``draft_source``, its level), or None where that drafter will find
+    nothing to draft. A proposer's ``draft_level(state, history)`` gives the level, whose drafts are learnt apart from
+    other levels': prompt lookup's is the length of the suffix it matched, since a longer match is right more often;
+    a drafter without levels is at 0."""
+    source = draft_source(proposer, state, history)
+    level = getattr(proposer, "draft_level", None)
+    found = 0 if level is None else level(state, history)
+    return None if found is None else (source, found)
+
+
 def sizes_own_tree(proposer) -> bool:
     """Whether ``proposer`` verifies trees of its own ``tree_size`` at every step (``own_tree_size``). Adaptive
     sizing models a tree of n nodes as a chain n - 1 deep; a proposer whose gain comes from width (lookahead's

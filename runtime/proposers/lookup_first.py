@@ -40,6 +40,7 @@ class LookupFirstState:
     # the history length at which draft_source found no match (the length grows every step, so an old one never
     # matches): the step's proposal then skips lookup's second search
     nothing_found_at: int = -1
+    match: tuple[int, int] = (-1, 0)  # (history length, the suffix lookup matched there) from draft_source
     hidden: list[torch.Tensor] = field(default_factory=list)  # each [A, H]
     layer_hidden: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # each a tuple of [A, H]
 
@@ -75,10 +76,18 @@ class LookupFirstProposer:
     def draft_source(self, state: LookupFirstState, history: torch.Tensor) -> str:
         """Which drafter drafts the next step: lookup where the suffix of history [L] occurred before, else the
         head."""
-        if self.lookup.finds(history):
+        found = self.lookup.match_length(history)
+        state.match = (history.numel(), found)
+        if found:
             return self.lookup.name
         state.nothing_found_at = history.numel()
         return self.head.name
+
+    def draft_level(self, state: LookupFirstState, history: torch.Tensor) -> int:
+        """The next step's level (``runtime.proposers.base.draft_key``): the suffix lookup matched where it drafts,
+        0 (one level) for the head."""
+        length, found = state.match
+        return found if length == history.numel() else self.lookup.match_length(history)
 
     def start(self, prompt: torch.Tensor, max_length: int) -> LookupFirstState:
         return LookupFirstState(self.head.start(prompt, max_length))

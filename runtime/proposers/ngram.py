@@ -55,9 +55,25 @@ class NgramProposer:
     def start(self, prompt: torch.Tensor, max_length: int) -> None:
         return None
 
+    def match_length(self, history: torch.Tensor) -> int:
+        """The longest suffix of history [L], of min_ngram to max_ngram tokens, that occurred earlier with a token
+        after it (what ``propose`` continues from); 0: none did."""
+        tokens = history.cpu().numpy()
+        length = len(tokens)
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+            if (windows == tokens[length - n:]).all(axis=1).any():
+                return n
+        return 0
+
     def finds(self, history: torch.Tensor) -> bool:
         """Whether the history's suffix [L] occurred earlier, so that ``propose`` drafts a continuation."""
-        return bool(find_continuations(history.cpu().numpy(), self.max_ngram, self.min_ngram, 1, 1))
+        return self.match_length(history) > 0
+
+    def draft_level(self, state: None, history: torch.Tensor) -> int | None:
+        """The next step's level (``runtime.proposers.base.draft_key``): the length of the suffix it continues, None
+        where it finds none."""
+        return self.match_length(history) or None
 
     def propose(self, state: None, step: ProposeInput) -> Tree:
         history = step.history.cpu().numpy()
