@@ -342,7 +342,7 @@ class BatchedDecoder:
             # do, and must not depend on how many rows share its batch: sampling keeps the one-row size.
             self.tree_size, reason = batch_tree_size(self.target, self.proposer, width if sampling.greedy else 1)
             self.tree_size_reason = f"fixed for this run at {reason}"
-            if self._allocates(sampling):
+            if self._allocates(sampling, width):
                 self._start_allocation(width)
             if (self.trial_passes and width > 1 and self.tree_size > 1 and sampling.greedy
                     and self.acceptance == "exact"):
@@ -431,16 +431,16 @@ class BatchedDecoder:
                 row.hidden_parts, row.layer_parts = [], []
         self.trial = None
 
-    def _allocates(self, sampling: SamplingParams) -> bool:
+    def _allocates(self, sampling: SamplingParams, width: int) -> bool:
         """Whether this run's tree sizes are allocated per row and pass (``tree_size`` holds the run's one size):
         greedy, exact acceptance, a proposer that drafts and does not size its own trees, and ``per_row_sizes``
-        True, or None where one size for the run would draft at all (else the head's every pass would cost what
-        plain decoding does not)."""
+        True, or None where the run has several rows and one size for it would draft at all (else the head's every
+        pass would cost what plain decoding does not; a lone row keeps the one-row decoder's sizing)."""
         if self.per_row_sizes is False or not (sampling.greedy and self.acceptance == "exact"):
             return False
         if self.proposer.expected_acceptance <= 0 or sizes_own_tree(self.proposer):
             return False
-        return self.per_row_sizes is True or self.tree_size > 1
+        return self.per_row_sizes is True or (self.tree_size > 1 and width > 1)
 
     def _start_allocation(self, width: int) -> None:
         """Per-pass sizes for a greedy run of ``width`` rows: the cost curve measured at that batch size (one row:
