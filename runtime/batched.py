@@ -3,8 +3,9 @@ gives decoded alone, whatever the other rows accept.
 
 Each row has its own committed length, proposer state, accepted path, stop state and random stream (a CPU generator
 from its own seed), so nothing a row computes or draws depends on its neighbours; the rows share only the target
-passes. A step drafts a tree per row, pads the trees to a common node count and verifies them all in one target
-pass, then compacts each row of the KV cache to its own accepted path (``KVCache.compact`` with per-row keep lists).
+passes. A step drafts a tree per row and verifies them all in one target pass (rows of different sizes packed, no
+padding computed: ``Tree sizes`` below), then compacts each row of the KV cache to its own accepted path
+(``KVCache.compact`` with per-row keep lists).
 
 Masks. Row b's cache slots ``0 .. c_b - 1`` hold its committed positions ``0 .. c_b - 1``; a pass writes its N new
 entries at slots ``c_b .. c_b + N - 1`` and attends over ``max(c) + N`` slots, so row b's mask is: its committed
@@ -34,20 +35,25 @@ not depend on the trees. Sampled rows draft one by one: a head's trees may diffe
 batch, and a sampled row's draws depend on its tree.
 
 Tree sizes. Rows of different sizes verify packed (``runtime.ragged``): no padding token is computed, so a row pays
-only for its own nodes. By default one size holds for every row and step of a run (rows may draft fewer nodes): for
-greedy rows the best on the cost curve measured at the run's batch size, for sampled rows the one-row size, since a
-sampled row's draws depend on its tree and must not depend on its neighbours. With ``per_row_sizes``, greedy rows
-get their sizes per pass instead (``runtime.tree_sizing.allocate_nodes``): each row's acceptance by depth, learnt
-from its own passes and pulled towards what every row of the run gets accepted from the same drafter, says what each
-further node would add, and the nodes worth their cost on that curve go in, best first, whichever row they belong
-to: a row in repetitive text drafts deep while its neighbours draft nothing. A proposer that sizes its own trees
-(``runtime.proposers.base.sizes_own_tree``) keeps its size at every batch size.
+only for its own nodes. By default greedy rows of a run of several get their sizes per pass
+(``runtime.tree_sizing.allocate_nodes``): each row's acceptance by depth, learnt from its own passes at each drafter
+and level (prompt lookup's level is the length of the suffix it matched, and 4-token matches are right far more often
+than 2-token ones) and pulled towards what every row of the run gets accepted there, says what each further node
+would add, and the nodes worth their cost go in, best first, whichever row they belong to: a row in repetitive text
+drafts deep while its neighbours draft nothing. The cost is the curve measured at the run's batch size (verification
+alone) plus what the run's steps measure beside it: bookkeeping, and a model drafter's call, which costs about as
+much for one row as for all, so rows are sized with and without it. A row given no node skips its proposer; the
+features a head would have read wait in the row for its next draft. ``per_row_sizes=False`` keeps one size for every
+row and step of a run instead, and a sampled row always keeps the one-row size, since its draws depend on its tree
+and must not depend on its neighbours. A proposer that sizes its own trees (``runtime.proposers.base.sizes_own_tree``)
+keeps its size at every batch size.
 
-The cost curve holds verification alone, and a proposer's prior acceptance is an average over other text; at many
-rows a head's drafting over every row, or lower acceptance, can make the curve's size lose to plain decoding. So a
-greedy run of several rows whose one size drafts measures it (``runtime.tree_sizing.DraftingTrial``): its first
-passes draft, the next decode plainly, and the faster keeps the run. Through the plain passes the rows keep what the
-proposer reads (a head's hidden states), so drafting can resume where it left off.
+The cost curve holds uniform passes, and a proposer's prior acceptance is an average over other text; at many rows a
+head's drafting, ragged passes or lower acceptance can make drafting lose to plain decoding. So a greedy run of
+several rows that drafts measures it (``runtime.tree_sizing.DraftingTrial``): blocks of drafting passes alternate with
+blocks of plain ones, the faster is chosen, and now and then a block of the other choice measures it again. Through
+the plain passes the rows keep what the proposer reads (a head's hidden states), so drafting can resume where it
+left off.
 """
 
 from __future__ import annotations
@@ -221,8 +227,8 @@ class BatchedDecoder:
     row's trees never
     depend on its neighbours. attention and acceptance as in ``runtime.decoder.SpeculativeDecoder``. ``stats`` describes
     the latest run (``BatchStats``). trial_passes: a greedy run of several rows that drafts measures drafting against
-    plain decoding, this many passes each in alternating blocks, and keeps the faster
-    (``runtime.tree_sizing.DraftingTrial``);
+    plain decoding, this many passes each in alternating blocks, chooses the faster and measures the other again now
+    and then (``runtime.tree_sizing.DraftingTrial``);
     0 trusts the cost curve. ``monitor``: the proposer's rolling depth-1 acceptance over every row of every run,
     with a warning when it stays far below what its head measured in training (``runtime.monitor.AcceptanceMonitor``); a
     row's own rate is its result's ``depth_acceptance[0]``. draft_together: greedy rows draft in one proposer call where
@@ -257,7 +263,7 @@ class BatchedDecoder:
         self.tree_size = tree_size
         self.per_row_sizes = per_row_sizes
         self.trial_passes = trial_passes
-        self.trial: DraftingTrial | None = None  # set per greedy run of many rows until drafting is measured
+        self.trial: DraftingTrial | None = None  # set per greedy run of many rows that drafts
         self.allocation: Allocation | None = None  # set per greedy run whose sizes are allocated per pass
         self.stats = BatchStats()
         self.monitor = monitor_for(self.proposer)
@@ -412,24 +418,12 @@ class BatchedDecoder:
                 emitted = self._step(rows, cache, sampling, size)  # type: ignore[arg-type]
             if self.trial is not None:
                 self.trial.observe(size, emitted, time.perf_counter() - step_started)
-                if self.trial.decided is not None:
-                    self._end_trial(rows)  # type: ignore[arg-type]
             stats.passes += 1
             stats.row_passes += len(rows)
             stats.seconds = time.perf_counter() - started
         stats.seconds = time.perf_counter() - started
-
-    def _end_trial(self, rows: list[_Row]) -> None:
-        """The trial has measured drafting against plain decoding: the run keeps the faster. Plain decoding then stops
-        returning, and the rows stop keeping, anything for the proposer to read."""
-        self.tree_size_reason += f": {self.trial.report()}"
-        if self.trial.decided == 1:
-            self.tree_size = 1
-            self.proposer_layers = ()
-            self.pass_layers = self.record_layers or ()
-            for row in rows:
-                row.hidden_parts, row.layer_parts = [], []
-        self.trial = None
+        if self.trial is not None:
+            self.tree_size_reason += f": {self.trial.report()}"
 
     def _allocates(self, sampling: SamplingParams, width: int) -> bool:
         """Whether this run's tree sizes are allocated per row and pass (``tree_size`` holds the run's one size):

@@ -166,63 +166,86 @@ class TreeSizer:
 
 
 class DraftingTrial:
-    """Whether drafting pays in a greedy run of many rows, measured rather than predicted.
+    """Whether drafting pays in a greedy run of many rows, measured rather than predicted, and measured again as the
+    run goes on.
 
     The size a batched run drafts at comes from the cost curve at its batch size, which holds verification alone:
     at many rows a head's drafting over every row, ragged passes dearer than the curve's uniform ones, or acceptance
     below the proposer's prior can make drafting slower than plain decoding. So the run's first 2 ``passes`` passes
-    alternate, ``block`` passes drafting at ``size``, then ``block`` decoding plainly, and whichever emitted more tokens
-    per second of its passes (drafting included; the first ``warmup`` passes of each block left out, where a switch
-    has work to catch up) keeps the rest of the run. Alternating short blocks, rather than one phase after the other,
-    exposes both to the same stretches of text and of the machine's speed, which drifts by tens of percent within
-    minutes on a shared CPU.
+    alternate, ``block`` passes drafting at ``size``, then ``block`` decoding plainly, and the one that emitted more
+    tokens per second (drafting included; the first ``warmup`` passes of each block left out, where a switch has work
+    to catch up) is chosen. Alternating short blocks, rather than one phase after the other, exposes both to the same
+    stretches of text and of the machine's speed, which drifts by tens of percent within minutes on a shared CPU.
 
-    Pure bookkeeping: the decoder asks ``size()`` before each pass and reports ``observe``; ``decided`` is the
-    chosen size once both are measured.
+    What pays changes within a run (lookup finds more to copy early in a reply than later), so afterwards the last
+    block of every ``every`` passes goes to the other choice, and each rate decays (``decay`` per measured pass), so
+    the choice follows the recent passes of both.
+
+    Pure bookkeeping: the decoder asks ``size()`` before each pass and reports ``observe``; ``decided`` is the current
+    choice once the first passes are measured.
     """
 
-    def __init__(self, size: int, passes: int = 32, warmup: int = 1, block: int = 4):
+    def __init__(self, size: int, passes: int = 32, warmup: int = 1, block: int = 4, every: int = 32,
+                 decay: float = 0.9):
         warmup = min(warmup, block - 1)
-        if size < 2 or block < 1 or passes < block:
-            raise ValueError(f"a trial needs a drafting size >= 2 (got {size}) and at least a block of passes "
-                             f"(block {block}, {passes} passes) each way")
+        if size < 2 or block < 1 or passes < block or every <= block:
+            raise ValueError(f"a trial needs a drafting size >= 2 (got {size}), at least a block of passes (block "
+                             f"{block}, {passes} passes) each way and rechecks further apart than a block ({every})")
         self.drafting_size = size
         self.passes = passes
         self.block = block
         self.warmup = warmup
+        self.every = every
+        self.decay = decay
         self.count = 0
-        self.tokens = {size: 0, 1: 0}
+        self.tokens = {size: 0.0, 1: 0.0}
         self.seconds = {size: 0.0, 1: 0.0}
         self.decided: int | None = None
+        self.switches = 0
+        self.counts = {size: 0, 1: 0}  # passes of each size after the first choice
+
+    def _other(self, size: int) -> int:
+        return 1 if size == self.drafting_size else self.drafting_size
+
+    def _rechecking(self, count: int) -> bool:
+        """Whether pass ``count`` (from 0), after the first choice, belongs to a block of the other choice."""
+        return (count - 2 * self.passes) % self.every >= self.every - self.block
 
     def size(self) -> int:
         """The tree size of the next pass."""
-        if self.decided is not None:
-            return self.decided
-        return self.drafting_size if (self.count // self.block) % 2 == 0 else 1
+        if self.decided is None:
+            return self.drafting_size if (self.count // self.block) % 2 == 0 else 1
+        return self._other(self.decided) if self._rechecking(self.count) else self.decided
 
     def observe(self, size: int, tokens: int, seconds: float) -> None:
         """A pass of ``size`` emitted ``tokens`` (all rows, bonus tokens included) in ``seconds`` (drafting and
         verification)."""
         if self.decided is not None:
-            return
+            self.counts[size] += 1
         if self.count % self.block >= self.warmup:
-            self.tokens[size] += tokens
-            self.seconds[size] += seconds
+            self.tokens[size] = self.decay * self.tokens[size] + tokens
+            self.seconds[size] = self.decay * self.seconds[size] + seconds
         self.count += 1
-        if self.count >= 2 * self.passes and self.count % (2 * self.block) == 0:
-            self.decided = self.drafting_size if self.rate(self.drafting_size) > self.rate(1) else 1
+        first = self.decided is None and self.count >= 2 * self.passes and self.count % (2 * self.block) == 0
+        recheck_done = (self.decided is not None and self._rechecking(self.count - 1)
+                        and not self._rechecking(self.count))
+        if first or recheck_done:
+            choice = self.drafting_size if self.rate(self.drafting_size) > self.rate(1) else 1
+            self.switches += self.decided is not None and choice != self.decided
+            self.decided = choice
 
     def rate(self, size: int) -> float:
-        """Tokens per second measured at ``size`` so far."""
+        """Tokens per second measured at ``size`` (recent passes weigh more)."""
         return self.tokens[size] / self.seconds[size] if self.seconds[size] > 0 else 0.0
 
     def report(self) -> str:
         rates = (f"{self.rate(self.drafting_size):.1f} tokens/s drafting at {self.drafting_size}, "
-                 f"{self.rate(1):.1f} plain")
+                 f"{self.rate(1):.1f} plain, lately")
         if self.decided is None:
-            return f"on trial ({rates} so far)"
-        return f"{self.decided}: {'drafting' if self.decided > 1 else 'plain decoding'} measured faster ({rates})"
+            return f"on trial ({rates})"
+        return (f"{self.decided}: {'drafting' if self.decided > 1 else 'plain decoding'} measured faster ({rates}; "
+                f"{self.counts[self.drafting_size]} drafting and {self.counts[1]} plain passes after the first "
+                f"choice, {self.switches} switches)")
 
 
 def probe_step(step: int, every: int = 32) -> bool:

@@ -311,11 +311,12 @@ def test_lookup_first_searches_the_history_once_where_nothing_matches():
 
 
 def test_drafting_trial_by_hand():
-    """A greedy batched run alternates blocks of drafting passes and plain ones, and keeps whichever emitted more
-    tokens per second; each block's first passes (a switch's catching up) are left out."""
+    """A greedy batched run alternates blocks of drafting passes and plain ones, and chooses whichever emitted more
+    tokens per second; each block's first passes (a switch's catching up) are left out. Afterwards the last block of
+    every period goes to the other choice, which takes over where it now measures faster."""
     from runtime.tree_sizing import DraftingTrial
 
-    trial = DraftingTrial(3, passes=4, warmup=1, block=2)
+    trial = DraftingTrial(3, passes=4, warmup=1, block=2, every=6, decay=1.0)
     sizes = []
     # drafting: 8 tokens in 0.2 s after a slow first pass of each block; plain: 4 tokens in 0.05 s
     for tokens, seconds in [(1, 9.0), (8, 0.2), (4, 0.0), (4, 0.05)] * 2:
@@ -325,8 +326,14 @@ def test_drafting_trial_by_hand():
     assert sizes == [3, 3, 1, 1] * 2
     assert trial.rate(3) == pytest.approx(40.0) and trial.rate(1) == pytest.approx(80.0)
     assert trial.decided == 1 and trial.size() == 1 and "plain decoding measured faster" in trial.report()
-    trial.observe(1, 100, 0.001)  # decided: later passes change nothing
-    assert trial.decided == 1 and trial.rate(1) == pytest.approx(80.0)
+    # four plain passes, then a block drafting again, where drafting now pays far more
+    sizes = []
+    for tokens, seconds in [(4, 0.0), (4, 0.05), (4, 0.0), (4, 0.05), (1, 9.0), (100, 0.1)]:
+        sizes.append(trial.size())
+        trial.observe(sizes[-1], tokens, seconds)
+    assert sizes == [1, 1, 1, 1, 3, 3]
+    assert trial.rate(1) == pytest.approx(80.0) and trial.rate(3) == pytest.approx(116 / 0.5)
+    assert trial.decided == 3 and trial.size() == 3 and "1 switches" in trial.report()
 
     drafting_wins = DraftingTrial(2, passes=2, warmup=0, block=1)
     for tokens, seconds in [(9, 0.1), (4, 0.1), (9, 0.1), (4, 0.1)]:
@@ -334,3 +341,41 @@ def test_drafting_trial_by_hand():
     assert drafting_wins.decided == 2 and "drafting measured faster" in drafting_wins.report()
     with pytest.raises(ValueError, match="drafting size"):
         DraftingTrial(1)
+
+
+def test_lookup_levels_are_the_matched_suffix_by_hand():
+    """Prompt lookup's level (``draft_key``) is the longest suffix of 2-4 tokens that occurred earlier with a token
+    after it; where none did it drafts nothing, and the key is None."""
+    import torch
+
+    from runtime.proposers import NgramProposer
+    from runtime.proposers.base import draft_key
+
+    lookup = NgramProposer()
+    cases = {(1, 2, 3, 4, 9, 2, 3, 4): 3, (1, 2, 3, 4, 5, 1, 2, 3, 4): 4, (7, 8, 9, 5, 8, 9): 2, (1, 2, 3, 4): 0,
+             (5, 6, 5, 6): 2, (4, 4, 4): 2}
+    for history, found in cases.items():
+        history = torch.tensor(history)
+        assert lookup.match_length(history) == found, history
+        assert lookup.finds(history) == (found > 0)
+        assert draft_key(lookup, None, history) == (("ngram", found) if found else None)
+
+
+def test_rows_are_sized_without_a_models_call_when_that_pays_more_by_hand():
+    """``Allocation.sizes``: a model drafter's call costs about as much for one row as for all, so rows are sized
+    without it and with it, and the step with more tokens per unit of cost is taken."""
+    from runtime.batched import Allocation
+
+    curve = {1: 1.0, 2: 1.4, 4: 2.2}
+    allocation = Allocation(curve, {"ngram": 4, "eagle3": 2}, {"ngram": 0.45, "eagle3": 0.5}, {"eagle3"})
+    keys = [("ngram", 4)] + [("eagle3", 0)] * 3
+    gains = [[0.9, 0.8, 0.7]] + [[0.8]] * 3
+    allocation.pass_seconds, allocation.model_call = 0.1, 0.1  # a call costs a whole pass: the head is left out
+    assert allocation.sizes(gains, keys) == [4, 1, 1, 1]
+    allocation.model_call = 0.001  # nearly free: its rows draft too
+    assert allocation.sizes(gains, keys) == [4, 2, 2, 2]
+    allocation.overhead = 0.0
+    assert allocation.sizes([[]] + [[0.1]] * 3, [None] + keys[1:]) == [1, 1, 1, 1]  # nothing pays
+    # a step's measured seconds beside its pass (bookkeeping) count in the pass's unit
+    allocation.observe_step(nodes_per_row=1.0, forward=0.1, model=0.0, step=0.15)
+    assert allocation.overhead == pytest.approx(0.1 * 0.5)
