@@ -224,16 +224,16 @@ class BatchedDecoder:
     batch_tree_size``: it shrinks as the batch grows, to plain decoding where drafting stops paying); True always
     allocates (``scripts/bench_batch_drafting.py --compare per-row-sizes`` measures per-row sizes against one size per
     run). A row given no draft node skips its proposer that pass. A sampling run keeps the one-row size, so a sampled
-    row's trees never
-    depend on its neighbours. attention and acceptance as in ``runtime.decoder.SpeculativeDecoder``. ``stats`` describes
-    the latest run (``BatchStats``). trial_passes: a greedy run of several rows that drafts measures drafting against
-    plain decoding, this many passes each in alternating blocks, chooses the faster and measures the other again now
-    and then (``runtime.tree_sizing.DraftingTrial``);
-    0 trusts the cost curve. ``monitor``: the proposer's rolling depth-1 acceptance over every row of every run,
-    with a warning when it stays far below what its head measured in training (``runtime.monitor.AcceptanceMonitor``); a
-    row's own rate is its result's ``depth_acceptance[0]``. draft_together: greedy rows draft in one proposer call where
-    the proposer can (``propose_rows``); False drafts every row alone, as sampled rows always do
-    (``scripts/bench_batch_drafting.py`` measures one against the other).
+    row's trees never depend on its neighbours. attention and acceptance as in ``runtime.decoder.SpeculativeDecoder``.
+    ``stats`` describes the latest run (``BatchStats``). trial_passes: a greedy run of several rows that drafts
+    measures drafting against plain decoding, this many passes each in alternating blocks, chooses the faster and
+    measures the other again now and then (``runtime.tree_sizing.DraftingTrial``); the decoder's later runs of the
+    same width carry on from what it measured; 0 trusts the cost curve. ``monitor``: the proposer's rolling depth-1
+    acceptance over every row of every run, with a warning when it stays far below what its head measured in training
+    (``runtime.monitor.AcceptanceMonitor``); a row's own rate is its result's ``depth_acceptance[0]``.
+    draft_together: greedy rows draft in one proposer call where the proposer can (``propose_rows``); False drafts
+    every row alone, as sampled rows always do (``scripts/bench_batch_drafting.py`` measures one against the
+    other).
 
     record_layers: when given, each result carries ``features`` (``recorded_features``): the target's hidden
     states at every position of prompt + output that the passes computed, the last hidden state and the inputs of
@@ -264,6 +264,7 @@ class BatchedDecoder:
         self.per_row_sizes = per_row_sizes
         self.trial_passes = trial_passes
         self.trial: DraftingTrial | None = None  # set per greedy run of many rows that drafts
+        self._trials: dict[tuple[int, int], DraftingTrial] = {}  # by the runs' width and drafting size
         self.allocation: Allocation | None = None  # set per greedy run whose sizes are allocated per pass
         self.stats = BatchStats()
         self.monitor = monitor_for(self.proposer)
@@ -354,9 +355,17 @@ class BatchedDecoder:
                     and self.acceptance == "exact"):
                 # the curve holds verification alone, and a packed pass of ragged rows costs more than the curve's
                 # uniform ones: whether drafting pays is measured
-                self.trial = DraftingTrial(self.tree_size, self.trial_passes, block=min(4, self.trial_passes))
+                # what a run measured carries into the decoder's next run of the same width and size
+                self.trial = self._trials.get((width, self.tree_size))
+                if self.trial is None:
+                    self.trial = DraftingTrial(self.tree_size, self.trial_passes, block=min(4, self.trial_passes))
+                    self._trials[(width, self.tree_size)] = self.trial
+                    measured = "measured against plain decoding"
+                else:
+                    self.trial.next_run()
+                    measured = "measured against plain decoding since an earlier run of this width"
                 source = self.tree_size_reason if self.allocation is not None else f"from the cost curve at {reason}"
-                self.tree_size_reason = f"{source}, then measured against plain decoding"
+                self.tree_size_reason = f"{source}, then {measured}"
         # A run of 1-node trees never drafts, so its passes need not return, nor its rows gather, anything for the
         # proposer to read: the step then costs what plain decoding's does.
         self.proposer_layers = tuple(self.proposer.hidden_layers) if self.drafting else ()

@@ -15,6 +15,7 @@ Pure bookkeeping: no timing or model calls here; the decoder reports what happen
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -172,21 +173,25 @@ class DraftingTrial:
     The size a batched run drafts at comes from the cost curve at its batch size, which holds verification alone:
     at many rows a head's drafting over every row, ragged passes dearer than the curve's uniform ones, or acceptance
     below the proposer's prior can make drafting slower than plain decoding. So the run's first 2 ``passes`` passes
-    alternate, ``block`` passes drafting at ``size``, then ``block`` decoding plainly, and the one that emitted more
-    tokens per second (drafting included; the first ``warmup`` passes of each block left out, where a switch has work
-    to catch up) is chosen. Alternating short blocks, rather than one phase after the other, exposes both to the same
-    stretches of text and of the machine's speed, which drifts by tens of percent within minutes on a shared CPU.
+    alternate, ``block`` passes drafting at ``size``, then ``block`` decoding plainly, and the faster is chosen.
 
-    What pays changes within a run (lookup finds more to copy early in a reply than later), so afterwards the last
-    block of every ``every`` passes goes to the other choice, and each rate decays (``decay`` per measured pass), so
-    the choice follows the recent passes of both.
+    Speed is compared only between adjacent blocks: the ratio of drafting's tokens per second to plain decoding's
+    in each pair of neighbouring blocks of the two, averaged (geometrically, recent pairs weighing more: ``decay`` per
+    pair). A run's rate moves with more than the choice: the machine's speed drifts by tens of percent within
+    minutes on a shared CPU, and rows finish, so a pass later in a run serves fewer of them; neighbouring blocks see
+    nearly the same of both. The first ``warmup`` passes of the first block and of each block that follows a switch
+    are left out (a head catches up there on the rows it has not read).
+
+    What pays changes within a run (lookup finds more to copy early in a reply than later), so after the first
+    choice the last block of every ``every`` passes goes to the other choice, which takes over where the pairs it
+    closes move the average to its side.
 
     Pure bookkeeping: the decoder asks ``size()`` before each pass and reports ``observe``; ``decided`` is the current
     choice once the first passes are measured.
     """
 
-    def __init__(self, size: int, passes: int = 32, warmup: int = 1, block: int = 4, every: int = 32,
-                 decay: float = 0.9):
+    def __init__(self, size: int, passes: int = 32, warmup: int = 1, block: int = 4, every: int = 64,
+                 decay: float = 0.8):
         warmup = min(warmup, block - 1)
         if size < 2 or block < 1 or passes < block or every <= block:
             raise ValueError(f"a trial needs a drafting size >= 2 (got {size}), at least a block of passes (block "
@@ -198,11 +203,15 @@ class DraftingTrial:
         self.every = every
         self.decay = decay
         self.count = 0
-        self.tokens = {size: 0.0, 1: 0.0}
-        self.seconds = {size: 0.0, 1: 0.0}
         self.decided: int | None = None
         self.switches = 0
         self.counts = {size: 0, 1: 0}  # passes of each size after the first choice
+        # the block being measured: its size, passes, whether it follows a switch, measured tokens and seconds
+        self._block = [0, 0, False, 0.0, 0.0]
+        self._previous: tuple[int, float] | None = None  # the last finished block's size and tokens per second
+        self._log_ratio = 0.0  # decayed sums over pairs of adjacent blocks: log(drafting rate / plain rate), weight
+        self._weight = 0.0
+        self.pairs = 0
 
     def _other(self, size: int) -> int:
         return 1 if size == self.drafting_size else self.drafting_size
@@ -222,29 +231,56 @@ class DraftingTrial:
         verification)."""
         if self.decided is not None:
             self.counts[size] += 1
-        if self.count % self.block >= self.warmup:
-            self.tokens[size] = self.decay * self.tokens[size] + tokens
-            self.seconds[size] = self.decay * self.seconds[size] + seconds
+        block = self._block
+        if block[1] and block[0] != size:
+            self._end_block()
+        if not block[1]:
+            block[0], block[2] = size, self._previous is None or self._previous[0] != size
+        if not (block[2] and block[1] < self.warmup):
+            block[3] += tokens
+            block[4] += seconds
+        block[1] += 1
+        if block[1] == self.block:
+            self._end_block()
         self.count += 1
         first = self.decided is None and self.count >= 2 * self.passes and self.count % (2 * self.block) == 0
         recheck_done = (self.decided is not None and self._rechecking(self.count - 1)
                         and not self._rechecking(self.count))
         if first or recheck_done:
-            choice = self.drafting_size if self.rate(self.drafting_size) > self.rate(1) else 1
+            choice = self.drafting_size if self.advantage() > 1.0 else 1
             self.switches += self.decided is not None and choice != self.decided
             self.decided = choice
 
-    def rate(self, size: int) -> float:
-        """Tokens per second measured at ``size`` (recent passes weigh more)."""
-        return self.tokens[size] / self.seconds[size] if self.seconds[size] > 0 else 0.0
+    def next_run(self) -> None:
+        """Carry what was measured into another run of the same shape: the choice and the average stay, and no pair
+        of blocks spans the two runs."""
+        self._block = [0, 0, False, 0.0, 0.0]
+        self._previous = None
+
+    def _end_block(self) -> None:
+        size, _, _, tokens, seconds = self._block
+        self._block = [0, 0, False, 0.0, 0.0]
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        if self._previous is not None and self._previous[0] != size:
+            drafting, plain = (rate, self._previous[1]) if size == self.drafting_size else (self._previous[1], rate)
+            self._log_ratio = self.decay * self._log_ratio + math.log(drafting / plain)
+            self._weight = self.decay * self._weight + 1.0
+            self.pairs += 1
+        self._previous = (size, rate)
+
+    def advantage(self) -> float:
+        """Drafting's tokens per second over plain decoding's, from adjacent blocks (1.0 before any pair)."""
+        return math.exp(self._log_ratio / self._weight) if self._weight else 1.0
 
     def report(self) -> str:
-        rates = (f"{self.rate(self.drafting_size):.1f} tokens/s drafting at {self.drafting_size}, "
-                 f"{self.rate(1):.1f} plain, lately")
+        measured = (f"drafting at {self.drafting_size} emitted {self.advantage():.2f}x plain decoding's tokens per "
+                    f"second in adjacent blocks")
         if self.decided is None:
-            return f"on trial ({rates})"
-        return (f"{self.decided}: {'drafting' if self.decided > 1 else 'plain decoding'} measured faster ({rates}; "
-                f"{self.counts[self.drafting_size]} drafting and {self.counts[1]} plain passes after the first "
+            return f"on trial ({measured})"
+        return (f"{self.decided}: {'drafting' if self.decided > 1 else 'plain decoding'} measured faster ({measured}; "
+                f"{self.counts[self.drafting_size]} drafting and {self.counts[1]} plain passes since the first "
                 f"choice, {self.switches} switches)")
 
 

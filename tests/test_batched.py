@@ -137,6 +137,27 @@ def test_rows_given_no_node_skip_their_proposer_and_catch_up(monkeypatch):
     assert any(size == 1 for result in results for size in result.tree_sizes)
 
 
+def test_a_drafting_trial_carries_into_the_next_run_of_the_same_width(monkeypatch):
+    """A decoder's second run at the same width starts from what its first measured, and pairs no block of one run
+    with a block of the other; a run of another width measures afresh."""
+    import runtime.cost_model
+
+    monkeypatch.setattr(runtime.cost_model, "cost_curve", lambda target, batch_size=1: {1: 1.0, 2: 1.05, 4: 1.1})
+    monkeypatch.setattr("runtime.batched.cost_curve", runtime.cost_model.cost_curve)  # its own import
+    target = target_for("llama")
+    references = [hf_greedy("llama", prompt) for prompt in PROMPTS]
+    decoder = BatchedDecoder(target, NgramProposer(), trial_passes=2)
+    check_rows(decoder, references, 3, "first run")
+    first = decoder.trial
+    assert first is not None and first.decided is not None and "since an earlier run" not in decoder.tree_size_reason
+    passes, pairs = first.count, first.pairs
+    check_rows(decoder, references, 3, "second run")
+    assert decoder.trial is first and first.count > passes and "since an earlier run" in decoder.tree_size_reason
+    assert first.pairs <= pairs + (first.count - passes) // first.block  # no pair across the runs' boundary
+    check_rows(decoder, references, 2, "another width")
+    assert decoder.trial is not first and "since an earlier run" not in decoder.tree_size_reason
+
+
 @pytest.mark.parametrize("outcome", ["plain", "drafting"])
 def test_a_drafting_trial_keeps_every_row_equal_to_hf_greedy(outcome, monkeypatch):
     """A greedy run of several rows alternates drafting and plain passes, then chooses one of the two (here forced).

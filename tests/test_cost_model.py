@@ -311,9 +311,10 @@ def test_lookup_first_searches_the_history_once_where_nothing_matches():
 
 
 def test_drafting_trial_by_hand():
-    """A greedy batched run alternates blocks of drafting passes and plain ones, and chooses whichever emitted more
-    tokens per second; each block's first passes (a switch's catching up) are left out. Afterwards the last block of
-    every period goes to the other choice, which takes over where it now measures faster."""
+    """A greedy batched run alternates blocks of drafting passes and plain ones and chooses whichever emitted more
+    tokens per second, compared between adjacent blocks only; the first pass of a block after a switch (a head's
+    catching up) is left out. Afterwards the last block of every period goes to the other choice, which takes over
+    where it now measures faster than its neighbours, even when the whole run has slowed down (rows finishing)."""
     from runtime.tree_sizing import DraftingTrial
 
     trial = DraftingTrial(3, passes=4, warmup=1, block=2, every=6, decay=1.0)
@@ -324,21 +325,30 @@ def test_drafting_trial_by_hand():
         assert trial.decided is None
         trial.observe(sizes[-1], tokens, seconds)
     assert sizes == [3, 3, 1, 1] * 2
-    assert trial.rate(3) == pytest.approx(40.0) and trial.rate(1) == pytest.approx(80.0)
+    assert trial.pairs == 3 and trial.advantage() == pytest.approx(0.5)  # 40 tokens/s against 80, three times
     assert trial.decided == 1 and trial.size() == 1 and "plain decoding measured faster" in trial.report()
-    # four plain passes, then a block drafting again, where drafting now pays far more
+    # the run slows to a quarter (rows finish), then a block drafting again emits 1.25x its neighbour's rate
     sizes = []
-    for tokens, seconds in [(4, 0.0), (4, 0.05), (4, 0.0), (4, 0.05), (1, 9.0), (100, 0.1)]:
+    for tokens, seconds in [(4, 0.05), (4, 0.05), (1, 0.2), (1, 0.2), (1, 9.0), (5, 0.8)]:
         sizes.append(trial.size())
         trial.observe(sizes[-1], tokens, seconds)
     assert sizes == [1, 1, 1, 1, 3, 3]
-    assert trial.rate(1) == pytest.approx(80.0) and trial.rate(3) == pytest.approx(116 / 0.5)
+    assert trial.pairs == 4 and trial.advantage() == pytest.approx((0.5 ** 3 * 1.25) ** 0.25)
+    assert trial.decided == 1 and trial.switches == 0  # not yet enough to outweigh three pairs against it
+    sizes = []
+    for tokens, seconds in [(1, 0.2), (1, 0.2)] * 2 + [(1, 9.0), (25, 0.8)]:
+        sizes.append(trial.size())
+        trial.observe(sizes[-1], tokens, seconds)
+    assert sizes == [1, 1, 1, 1, 3, 3]
+    assert trial.pairs == 6  # each drafting block pairs with the plain blocks on both sides of it
+    assert trial.advantage() == pytest.approx((0.5 ** 3 * 1.25 * 1.25 * 6.25) ** (1 / 6))
     assert trial.decided == 3 and trial.size() == 3 and "1 switches" in trial.report()
 
     drafting_wins = DraftingTrial(2, passes=2, warmup=0, block=1)
     for tokens, seconds in [(9, 0.1), (4, 0.1), (9, 0.1), (4, 0.1)]:
         drafting_wins.observe(drafting_wins.size(), tokens, seconds)
     assert drafting_wins.decided == 2 and "drafting measured faster" in drafting_wins.report()
+    assert "2.25x plain" in drafting_wins.report()
     with pytest.raises(ValueError, match="drafting size"):
         DraftingTrial(1)
 
