@@ -227,8 +227,9 @@ class BatchedDecoder:
     row's trees never depend on its neighbours. attention and acceptance as in ``runtime.decoder.SpeculativeDecoder``.
     ``stats`` describes the latest run (``BatchStats``). trial_passes: a greedy run of several rows that drafts
     measures drafting against plain decoding, this many passes each in alternating blocks, chooses the faster and
-    measures the other again now and then (``runtime.tree_sizing.DraftingTrial``); the decoder's later runs of the
-    same width carry on from what it measured; 0 trusts the cost curve. ``monitor``: the proposer's rolling depth-1
+    measures the other again now and then (``runtime.tree_sizing.DraftingTrial``), apart for each power-of-two
+    count of live rows (``row_bucket``); the decoder's later runs carry on from what it measured; 0 trusts the cost
+    curve. ``monitor``: the proposer's rolling depth-1
     acceptance over every row of every run, with a warning when it stays far below what its head measured in training
     (``runtime.monitor.AcceptanceMonitor``); a row's own rate is its result's ``depth_acceptance[0]``.
     draft_together: greedy rows draft in one proposer call where the proposer can (``propose_rows``); False drafts
@@ -263,8 +264,11 @@ class BatchedDecoder:
         self.tree_size = tree_size
         self.per_row_sizes = per_row_sizes
         self.trial_passes = trial_passes
-        self.trial: DraftingTrial | None = None  # set per greedy run of many rows that drafts
-        self._trials: dict[tuple[int, int], DraftingTrial] = {}  # by the runs' width and drafting size
+        # Greedy runs of several rows that draft measure drafting against plain decoding per number of live rows
+        # (``row_bucket``), kept across runs by (bucket, drafting size); ``trials`` holds the latest run's by bucket.
+        self._trials: dict[tuple[int, int], DraftingTrial] = {}
+        self.trials: dict[int, DraftingTrial] = {}
+        self._last_bucket = 0
         self.allocation: Allocation | None = None  # set per greedy run whose sizes are allocated per pass
         self.stats = BatchStats()
         self.monitor = monitor_for(self.proposer)
@@ -333,12 +337,13 @@ class BatchedDecoder:
              seeds: list[int] | None, batch_size: int, stops: Stops) -> Iterator[tuple[int, GenerationResult]]:
         self.stats = stats = BatchStats()
         self.allocation = None
-        self.trial = None
+        self.trials = {}
         if not prompts:
             return
         started = time.perf_counter()
         queue = deque(range(len(prompts)))
         width = min(batch_size, len(prompts))
+        trying = False  # whether this run measures drafting against plain decoding (``_trial``)
         if self.fixed_tree_size is None and sizes_own_tree(self.proposer):
             self.tree_size = self.proposer.tree_size
             why = getattr(self.proposer, "tree_size_reason", None)
@@ -351,21 +356,13 @@ class BatchedDecoder:
             self.tree_size_reason = f"fixed for this run at {reason}"
             if self._allocates(sampling, width):
                 self._start_allocation(width)
-            if (self.trial_passes and width > 1 and self.tree_size > 1 and sampling.greedy
-                    and self.acceptance == "exact"):
+            trying = bool(self.trial_passes and width > 1 and self.tree_size > 1 and sampling.greedy
+                          and self.acceptance == "exact")
+            if trying:
                 # the curve holds verification alone, and a packed pass of ragged rows costs more than the curve's
                 # uniform ones: whether drafting pays is measured
-                # what a run measured carries into the decoder's next run of the same width and size
-                self.trial = self._trials.get((width, self.tree_size))
-                if self.trial is None:
-                    self.trial = DraftingTrial(self.tree_size, self.trial_passes, block=min(4, self.trial_passes))
-                    self._trials[(width, self.tree_size)] = self.trial
-                    measured = "measured against plain decoding"
-                else:
-                    self.trial.next_run()
-                    measured = "measured against plain decoding since an earlier run of this width"
                 source = self.tree_size_reason if self.allocation is not None else f"from the cost curve at {reason}"
-                self.tree_size_reason = f"{source}, then {measured}"
+                self.tree_size_reason = f"{source}, then measured against plain decoding by live rows"
         # A run of 1-node trees never drafts, so its passes need not return, nor its rows gather, anything for the
         # proposer to read: the step then costs what plain decoding's does.
         self.proposer_layers = tuple(self.proposer.hidden_layers) if self.drafting else ()
@@ -421,18 +418,39 @@ class BatchedDecoder:
                     break
                 cache.keep_rows(live)
                 rows = [rows[slot] for slot in live]
-            size = self.tree_size if self.trial is None else self.trial.size()
+            trial = self._trial(len(rows)) if trying else None
+            size = self.tree_size if trial is None else trial.size()
             step_started = time.perf_counter()
             with torch.inference_mode():
                 emitted = self._step(rows, cache, sampling, size)  # type: ignore[arg-type]
-            if self.trial is not None:
-                self.trial.observe(size, emitted, time.perf_counter() - step_started)
+            if trial is not None:
+                trial.observe(size, emitted, time.perf_counter() - step_started)
             stats.passes += 1
             stats.row_passes += len(rows)
             stats.seconds = time.perf_counter() - started
         stats.seconds = time.perf_counter() - started
-        if self.trial is not None:
-            self.tree_size_reason += f": {self.trial.report()}"
+        if self.trials:
+            self.tree_size_reason += ": " + "; ".join(f"{bucket}+ rows: {self.trials[bucket].report()}"
+                                                      for bucket in sorted(self.trials, reverse=True))
+
+    def _trial(self, live: int) -> DraftingTrial:
+        """The drafting trial for a pass over ``live`` rows. Whether drafting pays depends on how many rows share a
+        pass (a pass of few rows is bound by reading the weights, one of many by arithmetic), and a run's rows
+        finish one by one: each power-of-two bucket of live rows keeps its own trial, carried across this
+        decoder's runs; entering a bucket starts a new stretch of its blocks."""
+        bucket = row_bucket(live)
+        trial = self.trials.get(bucket)
+        if trial is None:
+            trial = self._trials.get((bucket, self.tree_size))
+            if trial is None:
+                trial = DraftingTrial(self.tree_size, self.trial_passes, block=min(4, self.trial_passes))
+                self._trials[(bucket, self.tree_size)] = trial
+            self.trials[bucket] = trial
+            trial.next_run()
+        elif self._last_bucket != bucket:
+            trial.next_run()
+        self._last_bucket = bucket
+        return trial
 
     def _allocates(self, sampling: SamplingParams, width: int) -> bool:
         """Whether this run's tree sizes are allocated per row and pass (``tree_size`` holds the run's one size):
@@ -664,6 +682,12 @@ class BatchedDecoder:
         probe = probe_step(self.stats.passes + 1)
         return [min(size + 1, allocation.largest[key[0]]) if key is not None and probe else size
                 for size, key in zip(sizes, keys)], keys
+
+
+def row_bucket(rows: int) -> int:
+    """The largest power of two at most ``rows`` (>= 1): passes of 16-31 live rows share a drafting trial, 8-15
+    another, and so on."""
+    return 1 << (max(rows, 1).bit_length() - 1)
 
 
 def recorded_features(recorded: list[tuple[torch.Tensor, ...]], layers: tuple[int, ...],

@@ -137,25 +137,31 @@ def test_rows_given_no_node_skip_their_proposer_and_catch_up(monkeypatch):
     assert any(size == 1 for result in results for size in result.tree_sizes)
 
 
-def test_a_drafting_trial_carries_into_the_next_run_of_the_same_width(monkeypatch):
-    """A decoder's second run at the same width starts from what its first measured, and pairs no block of one run
-    with a block of the other; a run of another width measures afresh."""
+def test_drafting_trials_go_by_live_rows_and_carry_into_the_next_run(monkeypatch):
+    """Each power-of-two bucket of live rows has its own trial (a run's rows finish one by one, and drafting pays
+    more where few rows share a pass); a decoder's next run carries on from them, and no pair of blocks spans two
+    runs or two buckets."""
     import runtime.cost_model
+    from runtime.batched import row_bucket
 
+    assert [row_bucket(n) for n in (1, 2, 3, 4, 7, 8, 15, 16, 31)] == [1, 2, 2, 4, 4, 8, 8, 16, 16]
     monkeypatch.setattr(runtime.cost_model, "cost_curve", lambda target, batch_size=1: {1: 1.0, 2: 1.05, 4: 1.1})
     monkeypatch.setattr("runtime.batched.cost_curve", runtime.cost_model.cost_curve)  # its own import
     target = target_for("llama")
     references = [hf_greedy("llama", prompt) for prompt in PROMPTS]
     decoder = BatchedDecoder(target, NgramProposer(), trial_passes=2)
     check_rows(decoder, references, 3, "first run")
-    first = decoder.trial
-    assert first is not None and first.decided is not None and "since an earlier run" not in decoder.tree_size_reason
-    passes, pairs = first.count, first.pairs
+    first = dict(decoder.trials)
+    assert set(first) <= {1, 2} and 2 in first and first[2].decided is not None
+    assert "2+ rows: " in decoder.tree_size_reason and "measured faster" in decoder.tree_size_reason
+    counts = {bucket: (trial.count, trial.pairs) for bucket, trial in first.items()}
     check_rows(decoder, references, 3, "second run")
-    assert decoder.trial is first and first.count > passes and "since an earlier run" in decoder.tree_size_reason
-    assert first.pairs <= pairs + (first.count - passes) // first.block  # no pair across the runs' boundary
-    check_rows(decoder, references, 2, "another width")
-    assert decoder.trial is not first and "since an earlier run" not in decoder.tree_size_reason
+    for bucket, trial in first.items():
+        assert decoder.trials[bucket] is trial
+        passes, pairs = counts[bucket]
+        assert trial.count > passes and trial.pairs <= pairs + (trial.count - passes) // trial.block
+    check_rows(decoder, references, 8, "eight rows")
+    assert 8 in decoder.trials and 8 not in first  # a bucket of its own, measured afresh
 
 
 @pytest.mark.parametrize("outcome", ["plain", "drafting"])
