@@ -204,6 +204,7 @@ class DraftingTrial:
         self.decay = decay
         self.count = 0
         self.decided: int | None = None
+        self.chosen_on = 1.0  # advantage() when the choice was last made
         self.switches = 0
         self.counts = {size: 0, 1: 0}  # passes of each size after the first choice
         # the block being measured: its size, passes, whether it follows a switch, measured tokens and seconds
@@ -247,7 +248,8 @@ class DraftingTrial:
         recheck_done = (self.decided is not None and self._rechecking(self.count - 1)
                         and not self._rechecking(self.count))
         if first or recheck_done:
-            choice = self.drafting_size if self.advantage() > 1.0 else 1
+            self.chosen_on = self.advantage()
+            choice = self.drafting_size if self.chosen_on > 1.0 else 1
             self.switches += self.decided is not None and choice != self.decided
             self.decided = choice
 
@@ -275,11 +277,17 @@ class DraftingTrial:
         return math.exp(self._log_ratio / self._weight) if self._weight else 1.0
 
     def report(self) -> str:
-        measured = (f"drafting at {self.drafting_size} emitted {self.advantage():.2f}x plain decoding's tokens per "
-                    f"second in adjacent blocks")
+        def measured(ratio: float) -> str:
+            return (f"drafting at {self.drafting_size} emitted {ratio:.2f}x plain decoding's tokens per second in "
+                    f"adjacent blocks")
+
         if self.decided is None:
-            return f"on trial ({measured})"
-        return (f"{self.decided}: {'drafting' if self.decided > 1 else 'plain decoding'} measured faster ({measured}; "
+            return f"on trial ({measured(self.advantage())})"
+        # pairs completed after the last choice move the ratio before the next recheck acts on them
+        why = measured(self.chosen_on) + " at the last choice"
+        if f"{self.advantage():.2f}" != f"{self.chosen_on:.2f}":
+            why += f", {self.advantage():.2f}x since"
+        return (f"{self.decided}: {'drafting' if self.decided > 1 else 'plain decoding'} measured faster ({why}; "
                 f"{self.counts[self.drafting_size]} drafting and {self.counts[1]} plain passes since the first "
                 f"choice, {self.switches} switches)")
 

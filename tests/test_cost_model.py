@@ -336,7 +336,16 @@ def test_drafting_trial_by_hand():
     assert trial.pairs == 4 and trial.advantage() == pytest.approx((0.5 ** 3 * 1.25) ** 0.25)
     assert trial.decided == 1 and trial.switches == 0  # not yet enough to outweigh three pairs against it
     sizes = []
-    for tokens, seconds in [(1, 0.2), (1, 0.2)] * 2 + [(1, 9.0), (25, 0.8)]:
+    for tokens, seconds in [(1, 0.2), (1, 0.2)]:
+        sizes.append(trial.size())
+        trial.observe(sizes[-1], tokens, seconds)
+    # the plain block after the recheck pairs with it: the ratio moves, the choice waits for the next recheck
+    assert trial.pairs == 5 and trial.decided == 1
+    chosen_on = (0.5 ** 3 * 1.25) ** 0.25
+    assert trial.chosen_on == pytest.approx(chosen_on)
+    assert f"{chosen_on:.2f}x plain decoding's tokens per second in adjacent blocks at the last choice, " \
+           f"{trial.advantage():.2f}x since" in trial.report()
+    for tokens, seconds in [(1, 0.2), (1, 0.2), (1, 9.0), (25, 0.8)]:
         sizes.append(trial.size())
         trial.observe(sizes[-1], tokens, seconds)
     assert sizes == [1, 1, 1, 1, 3, 3]
