@@ -289,6 +289,19 @@ def transformers_attention_forward(module, query, key, value, attention_mask, dr
     return out.transpose(1, 2).contiguous(), None
 
 
+def use_tree_attention(module: torch.nn.Module) -> torch.nn.Module:
+    """Point the attention of every layer of ``module`` at the tree attention, in place; returns it. For modules the
+    runtime owns (a draft head it loaded): their few-row drafting passes then take the decode kernel where the
+    target's do (PyTorch's SDPA costs milliseconds per call at a batch of rows, ``scripts/bench_decode_ops.py``).
+    With gradients, or where no kernel applies, the tree attention is SDPA over the same mask."""
+    name = register_with_transformers()
+    for child in module.modules():
+        config = getattr(child, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation_internal"):
+            config._attn_implementation = name
+    return module
+
+
 def register_with_transformers() -> str:
     """Register the tree attention with transformers once; returns the attn_implementation name to load with."""
     from transformers import AttentionInterface

@@ -75,7 +75,7 @@ from runtime.kv_cache import KVCache
 from runtime.ragged import RaggedRows
 from runtime.monitor import monitor_for
 from runtime.proposers.base import (NoProposer, Proposer, ProposeInput, draft_key, drafters, extra_rows,
-                                    observe, propose_rows, sizes_own_tree)
+                                    observe, propose_rows, sizes_own_tree, unread_rows)
 from runtime.sampling import SamplingParams, new_generator
 from runtime.target import Target
 from runtime.tree import Draft, Tree
@@ -150,6 +150,7 @@ class _Row:
     hidden_parts: list[torch.Tensor] = field(default_factory=list)
     layer_parts: list[tuple[torch.Tensor, ...]] = field(default_factory=list)
     pending: list[int] | None = None  # tokens from the last pass not yet emitted
+    verified: int = 0  # rows the last verification pass added (0 before the first: the prefill is not one)
     extra_logits: torch.Tensor | None = None  # [E, V]: the last pass's logits at this row's extra rows
     recorded: list[tuple[torch.Tensor, ...]] | None = None  # record_layers: (hidden, layer inputs...) per pass
     # per drafter and level (``Allocation.learners``), where sizes are allocated per pass
@@ -175,14 +176,16 @@ class Allocation:
     overhead: float = 0.0
     model_call: float = 0.0
 
-    def observe_step(self, nodes_per_row: float, forward: float, model: float, step: float) -> None:
+    def observe_step(self, nodes_per_row: float, forward: float, model: float, step: float,
+                     model_call: float | None = None) -> None:
         """One step's seconds: its verification pass (``nodes_per_row`` nodes per row on average), a model's
-        drafting (0: no row drafted with a model), the whole step."""
+        drafting (0: no row drafted with a model), the whole step; ``model_call``: the model's call, where it
+        costs what drafting once more costs (None: not such a call, ``BatchedDecoder._reads_one_pass``)."""
         one = forward / interpolated_cost(self.curve, nodes_per_row)
         self.pass_seconds = one if self.pass_seconds is None else 0.9 * self.pass_seconds + 0.1 * one
         self.overhead = 0.9 * self.overhead + 0.1 * max(step - forward - model, 0.0) / self.pass_seconds
-        if model:
-            self.model_call = model if not self.model_call else 0.9 * self.model_call + 0.1 * model
+        if model_call:
+            self.model_call = model_call if not self.model_call else 0.9 * self.model_call + 0.1 * model_call
 
     def sizes(self, gains: list[list[float]], keys: list[tuple[str, int] | None]) -> list[int]:
         """Each row's tree size for one step (``allocate_nodes``), ``gains`` being what each row's draft nodes would
@@ -535,6 +538,7 @@ class BatchedDecoder:
         target, device, proposer = self.target, self.target.device, self.proposer
         step_started = time.perf_counter()
         model_seconds = 0.0  # drafting with a model, where sizes are allocated per pass
+        model_call = None  # ... where it costs what drafting once more costs (``_reads_one_pass``)
         greedy = sampling.greedy and self.acceptance == "exact"
         drafts = [Draft(Tree.chain(int(row.history[row.length - 1]), [], device=device)) for row in rows]
         drafting: list[int] = []  # the rows whose proposer drafts this pass
@@ -545,6 +549,7 @@ class BatchedDecoder:
             # a row given no draft node skips its proposer (an EAGLE head would still read its rows); what it would
             # have read waits in the row for its next draft
             drafting = [b for b, size in enumerate(sizes) if size > 1]
+            one_pass = self.allocation is not None and self._reads_one_pass(rows, drafting, sources)
             steps = [self._propose_input(rows[b], sizes[b], sampling) for b in drafting]
             if not drafting:
                 proposals = []
@@ -559,6 +564,7 @@ class BatchedDecoder:
                     rows[b].result.draft_seconds += seconds / len(drafting)
                 if self.allocation is not None and any(sources[b][0] in self.allocation.models for b in drafting):
                     model_seconds = seconds
+                    model_call = seconds if one_pass else None
             else:
                 proposals = []
                 for b, step in zip(drafting, steps):
@@ -641,6 +647,7 @@ class BatchedDecoder:
             count_depths(result, tree, len(path) - 1)
             self.monitor.observe(tree.max_depth, len(path) - 1)
             row.pending = cpu_trees[b][0][path[1:]].tolist() + [bonus]
+            row.verified = len(path)
             if reads_hidden or proposer_layers or row.recorded is not None:
                 index = torch.tensor(path, device=device) + spans[b].start
                 hidden = out.hidden[lead[b], index]
@@ -653,8 +660,25 @@ class BatchedDecoder:
                     self._record(row, hidden, layer_hidden[proposer_layers:])
         if self.allocation is not None:
             self.allocation.observe_step(sum(counts) / batch, forward_seconds, model_seconds,
-                                         time.perf_counter() - step_started)
+                                         time.perf_counter() - step_started, model_call)
         return sum(len(path) for path, _ in paths)
+
+    def _reads_one_pass(self, rows: list[_Row], drafting: list[int], sources: list[tuple[str, int] | None]) -> bool:
+        """Whether the model that drafts for ``drafting`` reads only the rows they verified in the last pass
+        (``unread_rows``). A head reads every row verified since it last drafted, so a call after passes it skipped
+        (or the first, after the prompt) costs more than drafting once more does: counting it as that price would
+        keep the head from drafting. Only calls that read one pass are measured; until one is, a model's call is
+        taken as free, and the head then drafts in successive passes, which measures it."""
+        for b in drafting:
+            if sources[b] is None or sources[b][0] not in self.allocation.models:
+                continue
+            row = rows[b]
+            unread = unread_rows(self.proposer, row.state, row.history[:row.length])
+            if unread is None:
+                return True  # a model that does not say: every call counts
+            if unread > row.verified:
+                return False
+        return True
 
     @staticmethod
     def _propose_input(row: _Row, size: int, sampling: SamplingParams) -> ProposeInput:

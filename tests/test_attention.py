@@ -136,3 +136,44 @@ def test_cuda_backends_match_sdpa(dtype):
         got = tree_attention(q, k, v, mask, 0.125, backend, prefix_len=prefix)
         torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
 
+
+
+def test_a_head_under_tree_attention_drafts_through_the_decode_kernel_as_under_sdpa(monkeypatch):
+    """``use_tree_attention`` points a runtime-owned head's layers at the tree attention: in bf16 its batched
+    drafting passes take the decode kernel, with SDPA's outputs; the stock head, and the target, stay on SDPA."""
+    import copy
+
+    from heads.eagle3 import Eagle3Config, Eagle3Head
+    from heads.common import frozen_target_weights
+    from runtime import attention
+    from runtime.kv_cache import KVCache
+
+    kernel = attention.decode_attention()
+    if kernel is None:
+        pytest.skip("the decode attention kernel needs AVX2")
+    calls = []
+    monkeypatch.setattr(attention, "decode_attention", lambda: lambda *args: calls.append(1) or kernel(*args))
+    model = tiny_model("llama", vocab_size=64, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config(feature_layers=[0, 1, 1]), model.config)
+    head.attach_target_weights(*frozen_target_weights(model))
+    head = head.eval().bfloat16()
+    tree_head = attention.use_tree_attention(copy.deepcopy(head))
+    assert head.layer_config._attn_implementation == "sdpa" and model.config._attn_implementation != "headstart_tree"
+    batch, context, new = 3, 20, 4
+    features = torch.randn(batch, context + new, head.feature_size, dtype=torch.bfloat16)
+    tokens = torch.randint(0, 64, (batch, context + new))
+    positions = torch.arange(context + new).repeat(batch, 1)
+    mask = torch.ones(batch, 1, new, context + new, dtype=torch.bool)
+    mask[:, 0, :, context:] = torch.rand(batch, new, new) > 0.5  # tree rows: any pattern with each row's own slot
+    mask[:, 0, torch.arange(new), context + torch.arange(new)] = True
+    out = {}
+    with torch.inference_mode():
+        for name, drafter in (("sdpa", head), ("tree", tree_head)):
+            cache = KVCache(1, batch, 1, 64, context + new, torch.bfloat16, "cpu")
+            drafter.hidden_states(tokens[:, :context], features[:, :context], positions[:, :context], None, cache)
+            cache.commit(context)
+            out[name] = drafter.hidden_states(tokens[:, context:], features[:, context:], positions[:, context:],
+                                              mask, cache).float()
+    assert calls == [1]  # the tree head's 4-row pass; its 20-row prefill and the stock head stay on SDPA
+    torch.testing.assert_close(out["tree"], out["sdpa"], atol=0.05, rtol=0.05)

@@ -137,6 +137,55 @@ def test_rows_given_no_node_skip_their_proposer_and_catch_up(monkeypatch):
     assert any(size == 1 for result in results for size in result.tree_sizes)
 
 
+def test_a_heads_call_after_skipped_passes_is_not_taken_as_its_price(monkeypatch):
+    """A head reads every row verified since it last drafted, so its call after passes it skipped (and its first,
+    after the prompt) costs more than drafting once more. Only calls whose rows drafted in the pass before are
+    measured as the price of a model's call (``Allocation.model_call``)."""
+    import runtime.batched
+
+    target = target_for("llama")
+    head = head_proposers(target)["eagle3"]
+    calls, measured = [], []
+    last_drafted: dict[int, int] = {}  # id(state) -> the pass it last drafted in
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def propose_rows(self, states, steps):
+            now = decoder.stats.passes
+            calls.append(all(last_drafted.get(id(state)) == now - 1 for state in states))
+            for state in states:
+                last_drafted[id(state)] = now
+            return self.inner.propose_rows(states, steps)
+
+    def one_row_drafts(self, gains, keys):  # the first row with something to draft gets a node, every 3rd pass two
+        sizes = [1] * len(gains)
+        drafting = [b for b, key in enumerate(keys) if key is not None][: 1 + (decoder.stats.passes % 3 == 0)]
+        for b in drafting:
+            sizes[b] = 2
+        return sizes
+
+    observe_step = runtime.batched.Allocation.observe_step
+
+    def recording(self, nodes_per_row, forward, model, step, model_call=None):
+        if model:
+            measured.append(model_call is not None)
+            assert model_call is None or model_call == model
+        observe_step(self, nodes_per_row, forward, model, step, model_call)
+
+    monkeypatch.setattr(runtime.batched.Allocation, "sizes", one_row_drafts)
+    monkeypatch.setattr(runtime.batched.Allocation, "observe_step", recording)
+    monkeypatch.setattr(runtime.batched, "probe_step", lambda step, every=32: False)
+    decoder = BatchedDecoder(target, Counting(head), per_row_sizes=True, trial_passes=0)
+    decoder.generate(PROMPTS[:3], 24, batch_size=3)
+    assert measured == calls
+    assert not calls[0] and True in calls and False in calls[1:]
+
+
 def test_drafting_trials_go_by_live_rows_and_carry_into_the_next_run(monkeypatch):
     """Each power-of-two bucket of live rows has its own trial (a run's rows finish one by one, and drafting pays
     more where few rows share a pass); a decoder's next run carries on from them, and no pair of blocks spans two

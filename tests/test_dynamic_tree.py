@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from runtime.proposers.dynamic import build_dynamic_tree
+from runtime.proposers.dynamic import build_dynamic_tree, build_dynamic_trees, expand_dynamic_tree
 
 VOCAB = 6
 
@@ -78,3 +78,38 @@ def test_near_certain_children_do_not_push_the_tree_past_its_size(tree_size):
     tree = build_dynamic_tree(0, root, 10, forward_frontier, depth=6, top_k=4, tree_size=tree_size)
     assert tree.size == tree_size
     assert tree.max_depth >= 2  # the near-certain chains are among the best nodes
+
+
+def test_expansions_in_step_build_each_tree_as_alone_with_one_call_per_level():
+    """build_dynamic_trees forwards the frontiers of every expansion still growing in one call per level and builds
+    the trees build_dynamic_tree builds alone, for expansions of different depths, sizes and drafters."""
+    settings = [(3, 4, 5, 0), (2, 4, 4, 1), (4, 5, 8, 2), (1, 3, 3, 3), (3, 5, 2, 4)]  # depth, top_k, size, seed
+
+    def forward_for(seed: int):
+        token_paths: dict[int, tuple[int, ...]] = {}
+
+        def forward_frontier(node_ids, node_tokens, parents, positions, mask):
+            rows = []
+            for node, token, parent in zip(node_ids.tolist(), node_tokens.tolist(), parents.tolist()):
+                token_paths[node] = (token_paths[parent] if parent >= 0 else ()) + (token,)
+                rows.append(path_logprobs(token_paths[node], seed))
+            return torch.stack(rows)
+        return forward_frontier
+
+    alone = [build_dynamic_tree(99, path_logprobs((), seed), 10 + seed, forward_for(seed), depth, top_k, size)
+             for depth, top_k, size, seed in settings]
+    forwards = [forward_for(seed) for *_, seed in settings]
+    calls: list[list[int]] = []
+
+    def forward_frontiers(indices, frontiers):
+        calls.append(indices)
+        return [forwards[i](f.node_ids, f.tokens, f.parents, f.positions, f.mask) for i, f in zip(indices, frontiers)]
+
+    expansions = [expand_dynamic_tree(99, path_logprobs((), seed), 10 + seed, depth, top_k, size)
+                  for depth, top_k, size, seed in settings]
+    together = build_dynamic_trees(expansions, forward_frontiers)
+    for one, both in zip(alone, together):
+        assert torch.equal(one.tokens, both.tokens) and torch.equal(one.parents, both.parents)
+    # level 1: every expansion with depth > 1 and room for a child of a frontier node; level 2: only the 4-deep one
+    # and the 3-deep one of 5 nodes; level 3: the 4-deep one
+    assert calls == [[0, 1, 2], [0, 2], [2]]

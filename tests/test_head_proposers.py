@@ -250,7 +250,16 @@ def test_heads_draft_for_several_rows_together_as_each_alone(name):
     alone = [proposer.propose(state, step(history, first))
              for state, history, first in zip(prepared(), histories, read_first)]
     states = prepared()
+    eagle = getattr(proposer, "head", proposer)  # the head proposer behind lookup first
+    passes = []
+    if isinstance(eagle, EagleProposer):  # count the head's passes: one reads the rows, then one per tree level
+        hidden_states = eagle.head.hidden_states
+        eagle.head.hidden_states = lambda *args: passes.append(args[0].shape[0]) or hidden_states(*args)
     together = proposer.propose_rows(states, [step(history, first) for history, first in zip(histories, read_first)])
     for one, both in zip(alone, together):
         assert torch.equal(one.tokens, both.tokens) and torch.equal(one.parents, both.parents)
     assert any(tree.size > 1 for tree in together)
+    if isinstance(eagle, EagleProposer):
+        del eagle.head.hidden_states
+        heads_rows = 2 if name.endswith("+ngram") else 3  # the row lookup drafts for does not go to the head
+        assert passes == [heads_rows] * min(eagle.depth, 5)  # the read, then depth - 1 levels, every row at once

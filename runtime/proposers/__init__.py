@@ -33,6 +33,7 @@ def load_head_proposer(head_type: str, head_dir: str, target) -> Proposer:
     """
     from heads.formats import detect_layout, load_any_head
     from heads.io import read_head_config
+    from runtime.attention import use_tree_attention
     from runtime.decode_layers import use_decode_layers
 
     layout, saved_type = detect_layout(head_dir)
@@ -45,7 +46,8 @@ def load_head_proposer(head_type: str, head_dir: str, target) -> Proposer:
         check_target_adapters(head_dir, read_head_config(head_dir), target)
     head, config = load_any_head(head_dir, target.model, identity=target.identity, tokenizer=target.tokenizer,
                                  device=target.device, dtype=target.dtype)
-    use_decode_layers(head)  # drafting runs a few rows at a time, like the target's decode steps; the head is ours
+    # drafting runs a few rows at a time, like the target's decode steps; the head is ours
+    use_tree_attention(use_decode_layers(head))
     tree = config.get("tree", {})
     accuracy = tree.get("acceptance")
     tree_size = measured_tree_size(tree, head_dir, target)

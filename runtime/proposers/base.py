@@ -70,6 +70,14 @@ def propose_rows(proposer, states: list[Any], steps: list[ProposeInput]) -> list
     return [proposer.propose(state, step) for state, step in zip(states, steps)]
 
 
+def unread_rows(proposer, state: Any, history: torch.Tensor) -> int | None:
+    """How many verified rows of history [L] ``proposer``'s model has yet to read before it drafts (its
+    ``unread_rows``; None for a proposer that does not say). A head that skipped passes reads their rows in its next
+    call, so that call costs more than a call in a run of drafting passes."""
+    count = getattr(proposer, "unread_rows", None)
+    return None if count is None else count(state, history)
+
+
 def extra_rows(proposer) -> int:
     """The most extra rows ``proposer`` asks a verification pass for (its ``extra_rows``; 0 when it has none)."""
     return int(getattr(proposer, "extra_rows", 0))

@@ -13,7 +13,8 @@ drafting: with 4-node trees, 2 rows instead of 8 at depth 1.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +25,24 @@ from runtime.tree import Tree, keep_best_nodes, select_frontier
 ForwardFrontier = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@dataclass
+class Frontier:
+    """The nodes one expansion step forwards: node_ids [F], tokens [F], parents [F] (-1 = root), positions [F],
+    mask [F, L + slots] (L the context, then the slots of every node forwarded so far, these included)."""
+
+    node_ids: torch.Tensor
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    positions: torch.Tensor
+    mask: torch.Tensor
+
+
+# an expansion in steps: yields each Frontier, is sent its children's log-probabilities [F, V], returns the Tree
+Expansion = Generator[Frontier, torch.Tensor, Tree]
+# forward_frontiers(indices of the expansions that wait, their frontiers) -> log-probabilities [F_i, V] for each
+ForwardFrontiers = Callable[[list[int], list[Frontier]], list[torch.Tensor]]
+
+
 def build_dynamic_tree(root_token: int, root_logprobs: torch.Tensor, context_len: int,
                        forward_frontier: ForwardFrontier, depth: int, top_k: int, tree_size: int,
                        token_map: torch.Tensor | None = None) -> Tree:
@@ -31,6 +50,44 @@ def build_dynamic_tree(root_token: int, root_logprobs: torch.Tensor, context_len
     ``tree_size - 1`` nodes of all levels (parent-before-child). root_logprobs [V']; the root's children sit at
     position ``context_len``. ``token_map`` [V'] maps a drafter's reduced vocabulary to target ids (EAGLE-3).
     """
+    expansion = expand_dynamic_tree(root_token, root_logprobs, context_len, depth, top_k, tree_size, token_map)
+    try:
+        frontier = next(expansion)
+        while True:
+            frontier = expansion.send(forward_frontier(frontier.node_ids, frontier.tokens, frontier.parents,
+                                                       frontier.positions, frontier.mask))
+    except StopIteration as done:
+        return done.value
+
+
+def build_dynamic_trees(expansions: Sequence[Expansion], forward_frontiers: ForwardFrontiers) -> list[Tree]:
+    """Run several expansions (``expand_dynamic_tree``) in step: each level's frontiers of every expansion still
+    growing go to one ``forward_frontiers`` call (a drafter runs them as one batch), so a batch of rows costs the
+    drafter one call per level rather than one per row and level. Each tree is the one ``build_dynamic_tree`` builds
+    from the same log-probabilities."""
+    trees: list[Tree | None] = [None] * len(expansions)
+    waiting: dict[int, Frontier] = {}
+
+    def advance(index: int, sent: torch.Tensor | None) -> None:
+        try:
+            waiting[index] = next(expansions[index]) if sent is None else expansions[index].send(sent)
+        except StopIteration as done:
+            trees[index] = done.value
+
+    for index in range(len(expansions)):
+        advance(index, None)
+    while waiting:
+        indices = list(waiting)
+        outputs = forward_frontiers(indices, [waiting.pop(index) for index in indices])
+        for index, logprobs in zip(indices, outputs):
+            advance(index, logprobs)
+    return trees
+
+
+def expand_dynamic_tree(root_token: int, root_logprobs: torch.Tensor, context_len: int, depth: int, top_k: int,
+                        tree_size: int, token_map: torch.Tensor | None = None) -> Expansion:
+    """``build_dynamic_tree`` as a generator: it yields each frontier to forward and is sent their children's
+    log-probabilities, so that a caller may forward the frontiers of several trees together."""
     device = root_logprobs.device
     max_nodes = depth * top_k
     scores, tokens = root_logprobs.topk(min(top_k, root_logprobs.numel()))
@@ -59,8 +116,8 @@ def build_dynamic_tree(root_token: int, root_logprobs: torch.Tensor, context_len
         slots_used += count
         mask = torch.cat([torch.ones(count, context_len, dtype=torch.bool, device=device),
                           rows[:, :slots_used]], dim=1)
-        logprobs = forward_frontier(frontier, all_tokens[frontier], parents,
-                                    context_len - 1 + all_depths[frontier], mask)
+        logprobs = yield Frontier(frontier, all_tokens[frontier], parents, context_len - 1 + all_depths[frontier],
+                                  mask)
         parent_pick, child_tokens, child_scores = select_frontier(torch.cat(node_scores)[frontier], logprobs, top_k)
         if token_map is not None:
             child_tokens = token_map[child_tokens]

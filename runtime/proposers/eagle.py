@@ -14,7 +14,7 @@ import torch
 
 from runtime.kv_cache import KVCache
 from runtime.proposers.base import ProposeInput
-from runtime.proposers.dynamic import build_dynamic_tree
+from runtime.proposers.dynamic import Frontier, build_dynamic_tree, build_dynamic_trees, expand_dynamic_tree
 from runtime.tree import Tree
 
 
@@ -56,6 +56,10 @@ class EagleProposer:
                         device)
         return EagleState(cache, torch.zeros(self.depth * self.top_k, config.hidden_size, dtype=dtype, device=device))
 
+    def unread_rows(self, state: EagleState, history: torch.Tensor) -> int:
+        """The verified rows of history [L] the head reads before it drafts (``runtime.proposers.base.unread_rows``)."""
+        return history.numel() - 1 - state.cache.max_committed
+
     def _read_verified_rows(self, state: EagleState, step: ProposeInput) -> torch.Tensor:
         """Run the head over the rows verified since it last drafted and keep them in its cache. Returns the
         head's output for the newest row [H]."""
@@ -78,9 +82,10 @@ class EagleProposer:
                                f"of {context}")
         return done, features.shape[0], features
 
-    def _read_verified_rows_together(self, states: list[EagleState], steps: list[ProposeInput]) -> torch.Tensor:
-        """``_read_verified_rows`` for several generations in one head pass: [B, H], row b the head's output for
-        generation b's newest row.
+    def _read_verified_rows_together(self, states: list[EagleState],
+                                     steps: list[ProposeInput]) -> tuple[torch.Tensor, KVCache]:
+        """``_read_verified_rows`` for several generations in one head pass: ([B, H], row b the head's output for
+        generation b's newest row; the batch cache, row b holding generation b's rows, with room for its trees).
 
         Each generation's cache is copied into one ragged batch cache (the head has one layer, so that is a small
         copy), the new rows of every generation go through the head together (padded, each row seeing its own
@@ -91,7 +96,8 @@ class EagleProposer:
         batch, width = len(rows), max(count for _, count, _ in rows)
         longest = max(done for done, _, _ in rows)
         own = states[0].cache.kv  # [L, 2, 1, Hkv, S, D]
-        batched = KVCache(own.shape[0], batch, own.shape[3], own.shape[-1], longest + width, own.dtype, device)
+        batched = KVCache(own.shape[0], batch, own.shape[3], own.shape[-1],
+                          longest + width + self.depth * self.top_k, own.dtype, device)
         kv = batched.kv
         tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
         features = rows[0][2].new_zeros(batch, width, rows[0][2].shape[-1])
@@ -110,8 +116,9 @@ class EagleProposer:
         for b, ((done, count, _), state) in enumerate(zip(rows, states)):
             state.cache.kv[:, :, 0, :, done: done + count] = kv[:, :, b, :, done: done + count]
             state.cache.commit(count)
-        return hidden[torch.arange(batch, device=device), torch.tensor([count - 1 for _, count, _ in rows],
-                                                                        device=device)]
+        counts = torch.tensor([count for _, count, _ in rows], device=device)
+        batched.commit(counts)
+        return hidden[torch.arange(batch, device=device), counts - 1], batched
 
     @torch.inference_mode()
     def propose(self, state: EagleState, step: ProposeInput) -> Tree:
@@ -122,16 +129,64 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose_rows(self, states: list[EagleState], steps: list[ProposeInput]) -> list[Tree]:
-        """``propose`` for several generations at once, their verified rows read in one head pass and their roots'
-        logits in one product: what a batch of rows costs the head per step is then about what one row costs.
+        """``propose`` for several generations at once: their verified rows read in one head pass, their roots'
+        logits in one product, and each level of their trees in one head pass (``build_dynamic_trees``), in a batch
+        copy of their head caches. What a batch of rows costs the head per step is then about what one row costs.
         The trees are those ``propose`` would draft up to rounding (the head's rows are computed in another batch
         shape), so a caller whose random draws depend on the tree (sampling) drafts row by row."""
-        root_hidden = self._read_verified_rows_together(states, steps)
-        if min(self.depth, max(step.tree_size for step in steps) - 1) <= 0:
-            return [Tree.chain(int(step.history[-1]), [], device=step.history.device) for step in steps]
-        logits = self.head.logits(root_hidden)
-        return [self._expand(state, step, hidden, row_logits)
-                for state, step, hidden, row_logits in zip(states, steps, root_hidden, logits)]
+        root_hidden, cache = self._read_verified_rows_together(states, steps)
+        device = steps[0].history.device
+        trees = [Tree.chain(int(step.history[-1]), [], device=device) for step in steps]
+        depths = [min(self.depth, step.tree_size - 1) for step in steps]
+        growing = [b for b, depth in enumerate(depths) if depth > 0]
+        if not growing:
+            return trees
+        logits = self.head.logits(root_hidden[growing])
+        contexts = cache.lengths.tolist()
+        expansions = [expand_dynamic_tree(int(steps[b].history[-1]), torch.log_softmax(row_logits.float(), dim=-1),
+                                          contexts[b], depths[b], self.top_k, steps[b].tree_size, self.token_map)
+                      for b, row_logits in zip(growing, logits)]
+        node_hidden = root_hidden.new_zeros(len(steps), self.depth * self.top_k, root_hidden.shape[-1])
+
+        def forward_frontiers(indices: list[int], frontiers: list[Frontier]) -> list[torch.Tensor]:
+            return self._forward_frontiers(cache, root_hidden, node_hidden, [growing[i] for i in indices], frontiers)
+
+        for b, tree in zip(growing, build_dynamic_trees(expansions, forward_frontiers)):
+            trees[b] = tree
+        return trees
+
+    def _forward_frontiers(self, cache: KVCache, root_hidden: torch.Tensor, node_hidden: torch.Tensor,
+                           rows: list[int], frontiers: list[Frontier]) -> list[torch.Tensor]:
+        """One head pass over the frontiers of several rows' trees: row ``rows[i]`` of the batch cache forwards
+        ``frontiers[i]``; the other rows, and each row past its frontier, forward padding that sees only its own
+        slot and is not kept. root_hidden [B, H]; node_hidden [B, nodes, H] the head outputs of forwarded nodes,
+        filled in here. Returns the children's log-probabilities [F_i, V'] of each frontier."""
+        head, device = self.head, root_hidden.device
+        batch, width = root_hidden.shape[0], max(frontier.tokens.numel() for frontier in frontiers)
+        slots = cache.lengths[:, None] + torch.arange(width, device=device)[None, :]  # [B, width]
+        tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
+        parent_hidden = root_hidden[:, None, :].repeat(1, width, 1)
+        positions = slots.clone()
+        mask = torch.zeros(batch, 1, width, cache.max_committed + width, dtype=torch.bool, device=device)
+        mask[:, 0].scatter_(2, slots[:, :, None], True)
+        counts = torch.zeros(batch, dtype=torch.long, device=device)
+        for b, frontier in zip(rows, frontiers):
+            count, parents = frontier.tokens.numel(), frontier.parents
+            tokens[b, :count] = frontier.tokens
+            positions[b, :count] = frontier.positions
+            parent_hidden[b, :count] = torch.where(parents[:, None] >= 0, node_hidden[b, parents.clamp_min(0)],
+                                                   root_hidden[b][None, :])
+            mask[b, 0, :count] = False
+            mask[b, 0, :count, :frontier.mask.shape[1]] = frontier.mask
+            counts[b] = count
+        hidden = head.hidden_states(tokens, parent_hidden, positions, mask, cache)
+        cache.commit(counts)
+        outputs = []
+        for b, frontier in zip(rows, frontiers):
+            outputs.append(hidden[b, :frontier.tokens.numel()])
+            node_hidden[b, frontier.node_ids] = outputs[-1]
+        logprobs = torch.log_softmax(head.logits(torch.cat(outputs)).float(), dim=-1)
+        return list(logprobs.split([output.shape[0] for output in outputs]))
 
     def _expand(self, state: EagleState, step: ProposeInput, root_hidden: torch.Tensor,
                 root_logits: torch.Tensor) -> Tree:

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from runtime.proposers.base import Proposer, ProposeInput, extra_rows, observe, propose_rows, sizes_own_tree
+from runtime.proposers.base import (Proposer, ProposeInput, extra_rows, observe, propose_rows, sizes_own_tree,
+                                    unread_rows)
 from runtime.proposers.ngram import NgramProposer
 from runtime.tree import Draft, Tree
 
@@ -107,6 +108,10 @@ class LookupFirstProposer:
             for i, tree in zip(waiting, drafted):
                 trees[i] = tree
         return trees
+
+    def unread_rows(self, state: LookupFirstState, history: torch.Tensor) -> int | None:
+        """The rows the head has yet to read, lookup steps' included (``runtime.proposers.base.unread_rows``)."""
+        return unread_rows(self.head, state.head, history)
 
     def observe(self, state: LookupFirstState, history: torch.Tensor, tree: Tree, logits: torch.Tensor) -> None:
         """The head learns from every pass, lookup's too (``runtime.proposers.base.observe``)."""
