@@ -29,25 +29,25 @@ its own (a batch-1 pass over that row's slots), and joins the next verification
 pass, so no row waits for the longest one. Once no prompt is left to take a finished row's place, the cache drops
 that row (``KVCache.keep_rows``).
 
-Drafting. Greedy rows draft together where the proposer can (``propose_rows``: an EAGLE head reads every row's
-newly verified rows in one pass, takes every root through its LM head in one product and forwards each level of every
-row's tree in one pass), since greedy output does not depend on the trees. Sampled rows draft one by one: a head's trees may differ by rounding with the shape of the
-batch, and a sampled row's draws depend on its tree.
+Drafting. Greedy rows draft together where the proposer can (``propose_rows``: an EAGLE head reads every row's newly
+verified rows in one pass, takes every root through its LM head in one product and forwards each level of every row's
+tree in one pass), since greedy output does not depend on the trees. Sampled rows draft one by one: a head's trees may
+differ by rounding with the shape of the batch, and a sampled row's draws depend on its tree.
 
 Tree sizes. Rows of different sizes verify packed (``runtime.ragged``): no padding token is computed, so a row pays
 only for its own nodes. By default greedy rows of a run of several get their sizes per pass
 (``runtime.tree_sizing.allocate_nodes``): each row's acceptance by depth, learnt from its own passes at each drafter
 and level (prompt lookup's level is the length of the suffix it matched, and 4-token matches are right far more often
-than 2-token ones) and pulled towards what every row of the run gets accepted there, says what each further node
-would add, and the nodes worth their cost go in, best first, whichever row they belong to: a row in repetitive text
-drafts deep while its neighbours draft nothing. The cost is the curve measured at the run's batch size (verification
-alone) plus what the run's steps measure beside it: bookkeeping, and a model drafter's call, which costs about as
-much for one row as for all, so rows are sized with and without it. A row given no node skips its proposer; the
-features a head would have read wait in the row for its next draft, and that call, which reads them all, is not
-taken as the price of drafting once more (``BatchedDecoder._reads_one_pass``). ``per_row_sizes=False`` keeps one size for every
-row and step of a run instead, and a sampled row always keeps the one-row size, since its draws depend on its tree
-and must not depend on its neighbours. A proposer that sizes its own trees (``runtime.proposers.base.sizes_own_tree``)
-keeps its size at every batch size.
+than 2-token ones) and pulled towards what every row of the run gets accepted there, says what each further node would
+add, and the nodes worth their cost go in, best first, whichever row they belong to: a row in repetitive text drafts
+deep while its neighbours draft nothing. The cost is the curve measured at the run's batch size (verification alone)
+plus what the run's steps measure beside it: bookkeeping, and a model drafter's call, which costs about as much for
+one row as for all, so rows are sized with and without it. A row given no node skips its proposer; the features a head
+would have read wait in the row for its next draft, and that call, which reads them all, is not taken as the price of
+drafting once more (``BatchedDecoder._reads_one_pass``). ``per_row_sizes=False`` keeps one size for every row and step
+of a run instead, and a sampled row always keeps the one-row size, since its draws depend on its tree and must not
+depend on its neighbours. A proposer that sizes its own trees (``runtime.proposers.base.sizes_own_tree``) keeps its
+size at every batch size.
 
 The cost curve holds uniform passes, and a proposer's prior acceptance is an average over other text; at many rows a
 head's drafting, ragged passes or lower acceptance can make drafting lose to plain decoding. So a greedy run of
