@@ -81,15 +81,21 @@ def test_backend_gives_the_same_logits_through_the_model(backend, arch):
     torch.testing.assert_close(results[backend], results["sdpa"], atol=1e-5, rtol=1e-5)
 
 
-def test_bf16_tree_pass_through_the_decode_kernel_matches_the_fp32_pass(monkeypatch):
-    """In bf16 on CPU the sdpa backend sends tree passes through the compiled decode kernel (head size 64)."""
+def counted_decode_kernel(monkeypatch) -> list[int]:
+    """The compiled decode attention kernel, each call appending to the returned list (skips where it is not)."""
     from runtime import attention
 
     kernel = attention.decode_attention()
     if kernel is None:
         pytest.skip("the decode attention kernel needs AVX2")
-    calls = []
+    calls: list[int] = []
     monkeypatch.setattr(attention, "decode_attention", lambda: lambda *args: calls.append(1) or kernel(*args))
+    return calls
+
+
+def test_bf16_tree_pass_through_the_decode_kernel_matches_the_fp32_pass(monkeypatch):
+    """In bf16 on CPU the sdpa backend sends tree passes through the compiled decode kernel (head size 64)."""
+    calls = counted_decode_kernel(monkeypatch)
     model = tiny_model("llama", vocab_size=64, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
     prompt = torch.arange(3, 30)
     tree = Tree(torch.tensor([7, 8, 9, 10, 11]), torch.tensor([-1, 0, 0, 1, 3]))
@@ -148,11 +154,7 @@ def test_a_head_under_tree_attention_drafts_through_the_decode_kernel_as_under_s
     from runtime import attention
     from runtime.kv_cache import KVCache
 
-    kernel = attention.decode_attention()
-    if kernel is None:
-        pytest.skip("the decode attention kernel needs AVX2")
-    calls = []
-    monkeypatch.setattr(attention, "decode_attention", lambda: lambda *args: calls.append(1) or kernel(*args))
+    calls = counted_decode_kernel(monkeypatch)
     model = tiny_model("llama", vocab_size=64, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
     torch.manual_seed(0)
     head = Eagle3Head(Eagle3Config(feature_layers=[0, 1, 1]), model.config)

@@ -97,6 +97,16 @@ def test_sizes_allocated_per_row_and_pass_match_hf_greedy(name, monkeypatch):
             assert max(sizes) <= run_size.tree_size
 
 
+class Wrapping:
+    """A proposer that is ``inner`` but for the methods a subclass defines."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
 def test_rows_given_no_node_skip_their_proposer_and_catch_up(monkeypatch):
     """Allocated per pass, a row given no draft node skips its proposer (a head would otherwise read its rows every
     pass); the features of the passes it skipped wait in the row, and when it next drafts the head reads them all:
@@ -108,13 +118,7 @@ def test_rows_given_no_node_skip_their_proposer_and_catch_up(monkeypatch):
     head = head_proposers(target)["eagle3"]
     calls = []
 
-    class Counting:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
+    class Counting(Wrapping):
         def propose_rows(self, states, steps):
             trees = self.inner.propose_rows(states, steps)
             calls.append(len(steps))
@@ -148,13 +152,7 @@ def test_a_heads_call_after_skipped_passes_is_not_taken_as_its_price(monkeypatch
     calls, measured = [], []
     last_drafted: dict[int, int] = {}  # id(state) -> the pass it last drafted in
 
-    class Counting:
-        def __init__(self, inner):
-            self.inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
+    class Counting(Wrapping):
         def propose_rows(self, states, steps):
             now = decoder.stats.passes
             calls.append(all(last_drafted.get(id(state)) == now - 1 for state in states))
