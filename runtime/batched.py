@@ -539,7 +539,7 @@ class BatchedDecoder:
         target, device, proposer = self.target, self.target.device, self.proposer
         step_started = time.perf_counter()
         model_seconds = 0.0  # drafting with a model, where sizes are allocated per pass
-        model_call = None  # ... where it costs what drafting once more costs (``_reads_one_pass``)
+        one_pass = False  # ... whether that drafting costs what drafting once more costs (``_reads_one_pass``)
         greedy = sampling.greedy and self.acceptance == "exact"
         drafts = [Draft(Tree.chain(int(row.history[row.length - 1]), [], device=device)) for row in rows]
         drafting: list[int] = []  # the rows whose proposer drafts this pass
@@ -565,7 +565,6 @@ class BatchedDecoder:
                     rows[b].result.draft_seconds += seconds / len(drafting)
                 if self.allocation is not None and any(sources[b][0] in self.allocation.models for b in drafting):
                     model_seconds = seconds
-                    model_call = seconds if one_pass else None
             else:
                 proposals = []
                 for b, step in zip(drafting, steps):
@@ -661,7 +660,7 @@ class BatchedDecoder:
                     self._record(row, hidden, layer_hidden[proposer_layers:])
         if self.allocation is not None:
             self.allocation.observe_step(sum(counts) / batch, forward_seconds, model_seconds,
-                                         time.perf_counter() - step_started, model_call)
+                                         time.perf_counter() - step_started, model_seconds if one_pass else None)
         return sum(len(path) for path, _ in paths)
 
     def _reads_one_pass(self, rows: list[_Row], drafting: list[int], sources: list[tuple[str, int] | None]) -> bool:
