@@ -77,7 +77,7 @@ from runtime.ragged import RaggedRows
 from runtime.monitor import monitor_for
 from runtime.proposers.base import (NoProposer, Proposer, ProposeInput, draft_key, drafters, extra_rows,
                                     observe, propose_rows, sizes_own_tree, unread_rows)
-from runtime.sampling import SamplingParams, new_generator
+from runtime.sampling import SamplingParams, greedy_tokens, new_generator
 from runtime.target import Target
 from runtime.tree import Draft, Tree
 from runtime.tree_sizing import (DepthAcceptance, DraftingTrial, allocate_nodes, allocation_value,
@@ -620,7 +620,7 @@ class BatchedDecoder:
         logits = [out.logits[b, span] for b, span in zip(lead, spans)]
         proposer_layers = len(self.proposer_layers)
         reads_hidden = proposer.needs_hidden and self.drafting
-        argmax = out.logits.argmax(-1).cpu() if greedy else None
+        argmax = greedy_tokens(out.logits).cpu() if greedy else None
         paths: list[tuple[list[int], int]] = []
         for b, (row, tree) in enumerate(zip(rows, trees)):
             tree_tokens, parents, ancestors = cpu_trees[b]

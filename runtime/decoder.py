@@ -15,7 +15,7 @@ from runtime.cost_model import adaptive_sizers, batch_tree_size, synchronized_se
 from runtime.monitor import monitor_for
 from runtime.proposers.base import (NoProposer, Proposer, ProposeInput, draft_source, drafters, extra_rows, observe,
                                     sizes_own_tree)
-from runtime.sampling import SamplingParams, new_generator, processed_probs, sample
+from runtime.sampling import SamplingParams, greedy_tokens, new_generator, processed_probs, sample
 from runtime.target import Target
 from runtime.tree import Draft, Tree, verification_mask
 
@@ -303,7 +303,7 @@ class SpeculativeDecoder:
                              backend=self.attention, prefix_len=prefix)
         logits = out.logits[0, :tree.size]
         if sampling.greedy and self.acceptance == "exact":
-            path, bonus = greedy_accept(tree.tokens, tree.parents, ancestors, logits.argmax(-1))
+            path, bonus = greedy_accept(tree.tokens, tree.parents, ancestors, greedy_tokens(logits))
         else:
             path, bonus = drawn_accept(tree, logits, sampling, self.acceptance, generator)
         keep = torch.tensor([path], dtype=torch.long, device=device)
@@ -367,7 +367,7 @@ def check_prompt_length(target: Target, prompt_len: int, max_new_tokens: int, wh
 def pick_token(logits: torch.Tensor, sampling: SamplingParams, generator) -> int:
     """The next token from logits [V]: the argmax, or a draw from the processed distribution."""
     if sampling.greedy:
-        return int(logits.argmax())
+        return int(greedy_tokens(logits))
     return sample(processed_probs(logits, sampling), generator)
 
 
@@ -376,7 +376,7 @@ def drawn_accept(tree: Tree, logits: torch.Tensor, sampling: SamplingParams, acc
     """(accepted path, bonus token) of a tree by the acceptance rules that draw: lossless rejection sampling, or
     typical acceptance (which at temperature 0 judges against the argmax). logits [N, V] at the tree's nodes."""
     if sampling.greedy:
-        probs = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        probs = torch.nn.functional.one_hot(greedy_tokens(logits), logits.shape[-1]).float()
     else:
         probs = processed_probs(logits, sampling)
     if acceptance == "typical":

@@ -8,7 +8,9 @@ for ``--batch`` rows of a batch (a batched decode step: every row its own cache)
 PyTorch's SDPA (what the attention module runs otherwise, with the transpose to [B, T, H, D] after it) against
 ``runtime.kernels.decode_attention`` (and, where that is the AVX512-BF16 build, its AVX2 build beside it).
 RMSNorm: transformers' LlamaRMSNorm over the rows against ``runtime.kernels.rms_norm_rows``. A pass runs 30
-attention calls and 61 norms. Reports median microseconds over --repeats calls, interleaved. Run it with nothing
+attention calls and 61 norms. The greedy token: ``argmax`` over the pass's bf16 logits (49152-token vocabulary,
+--batch x rows of them) against ``runtime.sampling.greedy_tokens`` (fp32 argmax after an exact conversion), once a
+pass. Reports median microseconds over --repeats calls, interleaved. Run it with nothing
 else on the machine.
 """
 
@@ -22,10 +24,11 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from runtime.kernels import decode_attention, decode_attention_avx2, rms_norm_rows
+from runtime.sampling import greedy_tokens
 
 from bench_vocab_projection import median_ms  # scripts/bench_vocab_projection.py
 
-HEADS, KV_HEADS, HEAD_SIZE, HIDDEN = 9, 3, 64, 576
+HEADS, KV_HEADS, HEAD_SIZE, HIDDEN, VOCAB = 9, 3, 64, 576, 49152
 
 
 @torch.inference_mode()
@@ -72,6 +75,15 @@ def main(argv=None) -> int:
         if avx2 is not None:
             line += f" {us['avx2']:.0f} | {us['avx2'] / us['kernel']:.2f} |"
         print(line)
+    print("\n| rows | bf16 argmax us | greedy_tokens us | ratio |\n|---:|---:|---:|---:|")
+    for rows in args.rows:
+        logits = torch.randn(args.batch, rows, VOCAB).bfloat16()
+        argmax, picked = [], []
+        for _ in range(3):
+            argmax.append(median_ms(lambda: logits.argmax(-1), args.repeats // 10 or 1))
+            picked.append(median_ms(lambda: greedy_tokens(logits), args.repeats // 10 or 1))
+        a, g = sorted(argmax)[1] * 1000, sorted(picked)[1] * 1000
+        print(f"| {rows} | {a:.0f} | {g:.0f} | {a / g:.2f} |")
     return 0
 
 

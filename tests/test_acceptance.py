@@ -1,6 +1,7 @@
 import torch
 
 from runtime.acceptance import greedy_accept, rejection_accept, typical_accept
+from runtime.sampling import greedy_tokens
 from runtime.tree import Tree
 
 
@@ -8,6 +9,19 @@ def tree():
     # 0 -> 1 (a) -> 3 (c)
     #   -> 2 (b) -> 4 (d) -> 5 (e)
     return Tree(torch.tensor([9, 1, 2, 3, 4, 5]), torch.tensor([-1, 0, 0, 1, 2, 4]))
+
+
+def test_greedy_tokens_are_the_first_largest_logit_in_every_dtype():
+    # ties at the top are common in bf16 logits: the first index wins, as torch.argmax (and HF over fp32) picks it
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 3.0, 3.0], [-2.0, -2.0, -2.0, -2.0]])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert greedy_tokens(logits.to(dtype)).tolist() == [1, 0, 0]
+        assert greedy_tokens(logits.to(dtype)[0]).item() == 1
+    generator = torch.Generator().manual_seed(0)
+    wide = (torch.randn(4, 3, 49152, generator=generator) * 3).bfloat16()
+    wide[..., 1000] = wide.max(-1, keepdim=True).values[..., 0]  # a tie with the largest, after it or before it
+    assert torch.equal(greedy_tokens(wide), wide.argmax(-1))
+    assert greedy_tokens(wide).dtype == torch.long and greedy_tokens(wide).shape == (4, 3)
 
 
 def test_greedy_walks_the_matching_branch_and_adds_the_bonus():

@@ -9,7 +9,7 @@ import torch
 from runtime.kv_cache import KVCache
 from runtime.proposers.base import ProposeInput
 from runtime.proposers.dynamic import build_dynamic_tree
-from runtime.sampling import processed_probs, sample
+from runtime.sampling import greedy_tokens, processed_probs, sample
 from runtime.target import Target
 from runtime.tree import Tree
 
@@ -86,7 +86,7 @@ class DraftModelProposer:
         proposals: list[torch.Tensor] = []
         for d in range(depth):
             if step.sampling.greedy:
-                token = int(logits.argmax())
+                token = int(greedy_tokens(logits))
             else:
                 q = processed_probs(logits, step.sampling)
                 token = sample(q, step.generator)

@@ -44,6 +44,7 @@ import torch
 
 from runtime.proposers.base import ProposeInput
 from runtime.proposers.spec import LookaheadSettings
+from runtime.sampling import greedy_tokens
 from runtime.tree import Draft, Tree
 from runtime.tree_sizing import interpolated_cost
 
@@ -296,7 +297,7 @@ class LookaheadProposer:
     def propose(self, state: LookaheadState, step: ProposeInput) -> Draft:
         s = self.settings
         if step.extra_logits is not None and state.root is not None:
-            new = step.extra_logits[-s.window:].argmax(-1)  # the newest level's rows come last
+            new = greedy_tokens(step.extra_logits[-s.window:])  # the newest level's rows come last
             if state.updates >= s.ngram - 2:  # levels 1 .. N - 2 hold the target's guesses by now
                 state.pool.add(window_ngrams(state.levels, state.root, new))
             state.levels = jacobi_update(state.levels, new)
