@@ -75,7 +75,7 @@ from runtime.decoder import (GenerationResult, Stops, checked_backend, checked_d
 from runtime.kv_cache import KVCache
 from runtime.ragged import RaggedRows
 from runtime.monitor import monitor_for
-from runtime.proposers.base import (NoProposer, Proposer, ProposeInput, draft_key, drafters, extra_rows,
+from runtime.proposers.base import (NoProposer, Proposer, ProposeInput, draft_key, draft_source, drafters, extra_rows,
                                     observe, propose_rows, sizes_own_tree, unread_rows)
 from runtime.sampling import SamplingParams, greedy_tokens, new_generator
 from runtime.target import Target
@@ -543,6 +543,7 @@ class BatchedDecoder:
         greedy = sampling.greedy and self.acceptance == "exact"
         drafts = [Draft(Tree.chain(int(row.history[row.length - 1]), [], device=device)) for row in rows]
         drafting: list[int] = []  # the rows whose proposer drafts this pass
+        named: list[str | None] = [None] * len(rows)  # who drafts each row, where the monitor judges one drafter
         if self.drafting and size > 1:
             sizes, sources = [size] * len(rows), [None] * len(rows)
             if self.allocation is not None:
@@ -550,6 +551,10 @@ class BatchedDecoder:
             # a row given no draft node skips its proposer (an EAGLE head would still read its rows); what it would
             # have read waits in the row for its next draft
             drafting = [b for b, size in enumerate(sizes) if size > 1]
+            if self.monitor.drafter is not None:
+                for b in drafting:
+                    named[b] = (sources[b][0] if sources[b] is not None
+                                else draft_source(proposer, rows[b].state, rows[b].history[:rows[b].length]))
             one_pass = self.allocation is not None and self._reads_one_pass(rows, drafting, sources)
             steps = [self._propose_input(rows[b], sizes[b], sampling) for b in drafting]
             if not drafting:
@@ -645,7 +650,7 @@ class BatchedDecoder:
             result.target_forwards += 1
             result.tree_sizes.append(tree.size)
             count_depths(result, tree, len(path) - 1)
-            self.monitor.observe(tree.max_depth, len(path) - 1)
+            self.monitor.observe(tree.max_depth, len(path) - 1, named[b])
             row.pending = cpu_trees[b][0][path[1:]].tolist() + [bonus]
             row.verified = len(path)
             if reads_hidden or proposer_layers or row.recorded is not None:

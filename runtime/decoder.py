@@ -254,10 +254,12 @@ class SpeculativeDecoder:
             with torch.inference_mode():
                 history[length:length + len(emitted)] = torch.tensor(emitted, device=device)
                 length += len(emitted)
+                # who drafts this step: what sizes its tree, and whose acceptance the monitor holds it to
+                named = self.sizers or self.monitor.drafter is not None
+                source = draft_source(proposer, state, history[:length]) if named else None
                 if self.sizers and not sampling.greedy:
                     sizer, size = None, self.sampled_size
                 else:
-                    source = draft_source(proposer, state, history[:length]) if self.sizers else None
                     sizer = self.sizers.get(source)
                     size = sizer.choose() if sizer is not None else self.own_sizes.get(source, self.tree_size)
                 step = ProposeInput(history[:length], new_hidden, new_layer_hidden, size, sampling, generator,
@@ -277,7 +279,7 @@ class SpeculativeDecoder:
                     timed = tree.size == size
                     seconds = synchronized_seconds(device, drafting) if timed else None
                     sizer.observe(size, tree.max_depth, len(path) - 1, seconds)
-                self.monitor.observe(tree.max_depth, len(path) - 1)
+                self.monitor.observe(tree.max_depth, len(path) - 1, source)
                 result.target_forwards += 1
                 result.tree_sizes.append(tree.size)
                 count_depths(result, tree, len(path) - 1)

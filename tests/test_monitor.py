@@ -8,7 +8,7 @@ import torch
 
 from runtime.batched import BatchedDecoder
 from runtime.decoder import SpeculativeDecoder
-from runtime.monitor import AcceptanceMonitor, AcceptanceWarning, monitor_for, trained_acceptance
+from runtime.monitor import AcceptanceMonitor, AcceptanceWarning, judged_drafter, monitor_for, trained_acceptance
 from runtime.proposers import NgramProposer, NoProposer, ProposerSpec, build_proposer
 from runtime.proposers.draft_model import DraftModelProposer
 from runtime.proposers.lookup_first import LookupFirstProposer
@@ -84,6 +84,31 @@ def test_trained_acceptance_is_the_heads_only():
     assert trained_acceptance(NgramProposer()) is None and trained_acceptance(NoProposer()) is None
     assert trained_acceptance(None) is None
     assert monitor_for(Head()).expected == 0.7 and monitor_for(Head()).name == "eagle3"
+    assert judged_drafter(LookupFirstProposer(Head(), NgramProposer())) == "eagle3"  # the head's passes alone
+    assert judged_drafter(Head()) is None and judged_drafter(NgramProposer()) is None and judged_drafter(None) is None
+    assert monitor_for(LookupFirstProposer(Head(), NgramProposer())).drafter == "eagle3"
+
+
+def test_a_proposer_with_several_drafters_is_judged_by_its_heads_passes():
+    monitor = AcceptanceMonitor(0.8, window=16, min_passes=16, name="eagle3+ngram", drafter="eagle3")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(40):  # lookup's misses (text that stopped repeating) say nothing about the head
+            monitor.observe(3, 0, "ngram")
+        for _ in range(20):
+            monitor.observe(2, 1, "eagle3")
+    assert monitor.passes == 20 and monitor.rate == 1.0 and not monitor.drifting
+    with pytest.warns(AcceptanceWarning, match=r"eagle3\+ngram \(eagle3's passes\): .* 38% of the last 16"):
+        for _ in range(8):
+            monitor.observe(2, 0, "eagle3")
+        for _ in range(8):
+            monitor.observe(2, 0)  # a pass of unknown drafter counts as the judged one's
+    report = monitor.report()
+    assert report["drafter"] == "eagle3" and report["passes"] == 36
+    assert report["by_drafter"] == {"eagle3": {"passes": 28, "overall_rate": round(20 / 28, 4)},
+                                    "ngram": {"passes": 40, "overall_rate": 0.0}}
+    monitor.reset()
+    assert monitor.report()["by_drafter"] == {}
 
 
 def scrambled_medusa(target, directory, acceptance):
@@ -136,3 +161,24 @@ def test_a_scrambled_head_warns_and_an_accurate_drafter_does_not(tmp_path):
         batched.generate(prompts * 4, 120, batch_size=3)
     assert batched.monitor.passes >= 64 and batched.monitor.rate == 1.0
     assert SpeculativeDecoder(target, NgramProposer(), tree_size=4).monitor.expected is None
+
+
+def test_decoders_hold_a_head_with_lookup_first_to_the_heads_passes(tmp_path):
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    head = scrambled_medusa(target, tmp_path / "medusa", [0.8, 0.5, 0.3])
+    proposer = LookupFirstProposer(head, NgramProposer())
+    prompts = [list(range(10, 30)) * 3, [3, 9, 27, 17, 51, 25] * 4, [5, 6, 7]]
+    for decoder, run in [(SpeculativeDecoder(target, proposer, tree_size=4),
+                          lambda decoder: [decoder.generate(prompt, 60) for prompt in prompts]),
+                         (BatchedDecoder(target, proposer, tree_size=4, per_row_sizes=False),
+                          lambda decoder: decoder.generate(prompts, 60, batch_size=2)),
+                         (BatchedDecoder(target, proposer, tree_size=4, per_row_sizes=True, trial_passes=0),
+                          lambda decoder: decoder.generate(prompts, 60, batch_size=2))]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", AcceptanceWarning)
+            results = run(decoder)
+        report = decoder.monitor.report()
+        drafted = sum(result.depth_attempts[0] for result in results)
+        assert set(report["by_drafter"]) == {"medusa", "ngram"}, report
+        assert sum(counts["passes"] for counts in report["by_drafter"].values()) == drafted
+        assert report["passes"] == report["by_drafter"]["medusa"]["passes"] > 0 and report["drafter"] == "medusa"
