@@ -380,6 +380,23 @@ def test_lookup_levels_are_the_matched_suffix_by_hand():
         assert draft_key(lookup, None, history) == (("ngram", found) if found else None)
 
 
+def test_suffix_matches_and_continuations_by_hand():
+    """Earlier positions holding the last token, most recent first, with how far back each matches the suffix; the
+    continuations of the longest matches come first, the most recent first among equals."""
+    import numpy as np
+
+    from runtime.proposers.ngram import find_continuations, suffix_matches
+
+    history = np.array([7, 2, 3, 9, 4, 2, 3, 5, 4, 2, 3])
+    ends, lengths = suffix_matches(history, 4)
+    assert ends.tolist() == [6, 2] and lengths.tolist() == [3, 2]
+    assert suffix_matches(history, 2)[1].tolist() == [2, 2]
+    assert [c.tolist() for c in find_continuations(history, 4, 2, 4, 3)] == [[5, 4, 2], [9, 4, 2]]
+    assert [c.tolist() for c in find_continuations(history, 4, 3, 4, 3)] == [[5, 4, 2]]  # a 2-token match is short
+    assert suffix_matches(np.array([5]), 4)[0].tolist() == []
+    assert suffix_matches(np.array([5, 5, 5, 5]), 4)[1].tolist() == [3, 2, 1]  # a match stops at the start
+
+
 def test_rows_are_sized_without_a_models_call_when_that_pays_more_by_hand():
     """``Allocation.sizes``: a model drafter's call costs about as much for one row as for all, so rows are sized
     without it and with it, and the step with more tokens per unit of cost is taken."""

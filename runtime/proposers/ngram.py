@@ -11,21 +11,36 @@ from runtime.proposers.base import ProposeInput
 from runtime.tree import Tree
 
 
+def suffix_matches(history: np.ndarray, max_ngram: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where the history's suffix occurred before: (ends [M], lengths [M]), each earlier position e < L - 1 whose
+    token equals the last one, and how many tokens up to e equal the suffix's last ones (at most max_ngram), most
+    recent first. history [L] int.
+
+    One comparison over the history finds the few positions holding the last token; the matches are extended
+    backwards from there, so a lookup costs a pass over L rather than one per n-gram length."""
+    length = len(history)
+    ends = np.flatnonzero(history[: length - 1] == history[length - 1])[::-1]
+    lengths = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for back in range(1, min(max_ngram, length - 1)):
+        alive &= ends >= back
+        alive[alive] = history[ends[alive] - back] == history[length - 1 - back]
+        lengths += alive
+    return ends, lengths
+
+
 def find_continuations(history: np.ndarray, max_ngram: int, min_ngram: int, max_matches: int,
                        depth: int) -> list[np.ndarray]:
     """Continuations that followed earlier occurrences of the history's last n tokens (n from max_ngram down to
     min_ngram), most recent occurrence first within each n. history [L] int; returns up to max_matches arrays,
     each of at most ``depth`` tokens, distinct.
     """
-    length = len(history)
+    ends, lengths = suffix_matches(history, max_ngram)
     found: list[np.ndarray] = []
     seen: set[tuple[int, ...]] = set()
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        suffix = history[length - n:]
-        windows = np.lib.stride_tricks.sliding_window_view(history[: length - 1], n)  # starts 0 .. L-1-n
-        starts = np.flatnonzero((windows == suffix).all(axis=1))[::-1]
-        for start in starts:
-            continuation = history[start + n: start + n + depth]
+    for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
+        for end in ends[lengths >= n]:
+            continuation = history[end + 1: end + 1 + depth]
             key = tuple(continuation.tolist())
             if not key or key in seen:
                 continue
@@ -58,13 +73,9 @@ class NgramProposer:
     def match_length(self, history: torch.Tensor) -> int:
         """The longest suffix of history [L], of min_ngram to max_ngram tokens, that occurred earlier with a token
         after it (what ``propose`` continues from); 0: none did."""
-        tokens = history.cpu().numpy()
-        length = len(tokens)
-        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
-            if (windows == tokens[length - n:]).all(axis=1).any():
-                return n
-        return 0
+        _, lengths = suffix_matches(history.cpu().numpy(), self.max_ngram)
+        longest = int(lengths.max()) if len(lengths) else 0
+        return longest if longest >= self.min_ngram else 0
 
     def finds(self, history: torch.Tensor) -> bool:
         """Whether the history's suffix [L] occurred earlier, so that ``propose`` drafts a continuation."""
