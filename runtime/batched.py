@@ -439,8 +439,8 @@ class BatchedDecoder:
                 live = [slot for slot, row in enumerate(rows) if row is not None]
                 if not live:
                     break
-                cache.keep_rows(live)
-                rows = [rows[slot] for slot in live]
+                with torch.inference_mode():
+                    rows = [rows[slot] for slot in cache.keep_rows(live)]
             if self.allocation is not None:
                 self.allocation.at_rows(0 if row_bucket(len(rows)) == row_bucket(width) else row_bucket(len(rows)))
             trial = self._trial(len(rows)) if trying else None

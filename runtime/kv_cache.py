@@ -150,13 +150,26 @@ class KVCache:
         self.lengths[index] = length
         self._lengths_changed()
 
-    def keep_rows(self, rows: list[int]) -> None:
-        """Keep only batch rows ``rows``, in that order (their entries are copied into a smaller buffer): a batch
-        whose finished rows nothing will replace stops paying for them."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.lengths.device)
-        self.kv = self.kv.index_select(2, index)
-        self.lengths = self.lengths.index_select(0, index)
+    def keep_rows(self, rows: list[int]) -> list[int]:
+        """Keep only batch rows ``rows``: a batch whose finished rows nothing will replace stops paying for them.
+        Returns the old row of each kept one, in the new order.
+
+        The kept rows become the first len(rows): a kept row beyond them moves into a dropped row's slots (its
+        committed entries alone), the others stay where they are, and the buffer is narrowed to a view. Copying every
+        kept row into a smaller buffer, as each row of a draining batch finishes, cost about a pass each time."""
+        kept = sorted(set(rows))
+        count = len(kept)
+        origin = [slot if slot in kept else -1 for slot in range(count)]
+        holes = [slot for slot, old in enumerate(origin) if old < 0]
+        movers = [slot for slot in kept if slot >= count]
+        used = self._max_len
+        for hole, mover in zip(holes, movers):
+            self.kv[:, :, hole, :, :used] = self.kv[:, :, mover, :, :used]
+            origin[hole] = mover
+        self.kv = self.kv[:, :, :count]  # [L, 2, count, Hkv, S, D]: each layer's keys stay one contiguous block
+        self.lengths = self.lengths[origin]
         self._lengths_changed()
+        return origin
 
     def crop(self, length: int) -> None:
         """Forget everything after ``length`` in every row."""

@@ -6,6 +6,8 @@ and compacting each row to its accepted path, against the same moves done with `
 SmolLM2-135M's cache shape (30 layers, 3 KV heads, head size 64, bf16), rows at lengths spread over --context ..
 2 x --context (continuous batching makes them ragged). A write is one layer's keys and values (a pass makes 30); a
 compaction keeps nodes 0, 2, 3, ... of each row's --nodes written entries (all of the model's layers at once).
+Dropping a finished row (a draining batch, once no prompt takes its place): copying every kept row into a smaller
+buffer (``index_select``, the earlier way) against ``KVCache.keep_rows``, for a cache sized for 256 new tokens.
 Reports median milliseconds over --repeats calls. Run it with nothing else on the machine.
 """
 
@@ -76,6 +78,19 @@ def main(argv=None) -> int:
             }
             print(f"| {rows} | {nodes} | {ms['write scatter']:.3f} | {ms['write ours']:.3f} | "
                   f"{ms['compact scatter']:.3f} | {ms['compact ours']:.3f} |")
+    print("\n| rows | drop a row: index_select ms | drop a row: keep_rows ms |\n|---:|---:|---:|")
+    for rows in [rows for rows in args.rows if rows > 1]:
+        cache = KVCache(LAYERS, rows, KV_HEADS, HEAD_SIZE, 2 * args.context + 256, torch.bfloat16, "cpu")
+        cache.commit(torch.randint(args.context, 2 * args.context, (rows,), generator=generator))
+        index = torch.arange(1, rows)
+
+        def drop_row():  # on a fresh cache object over the same buffer each time: keep_rows narrows its own view
+            fresh = cache.rows(0, rows)
+            fresh.commit(cache.lengths)
+            fresh.keep_rows(list(range(1, rows)))
+
+        copied = median_ms(lambda: cache.kv.index_select(2, index), max(args.repeats // 10, 3))
+        print(f"| {rows} | {copied:.2f} | {median_ms(drop_row, args.repeats):.2f} |")
     return 0
 
 

@@ -497,9 +497,16 @@ def test_cache_row_views_and_dropping_rows():
     assert cache.lengths.tolist() == [4, 3, 6] and cache.max_committed == 6
     assert cache.kv[1, 0, 1, 0, :3].eq(7).all() and cache.kv[1, 1, 1, 0, :3].eq(-7).all()
     assert cache.kv[:, :, [0, 2]].eq(0).all() and cache.kv[0].eq(0).all()  # other rows and layers untouched
-    cache.keep_rows([2, 1])
+    cache.kv[:, :, 2, :, :6] = 5.0
+    assert cache.keep_rows([2, 1]) == [2, 1]  # row 1 stays; row 2 moves into row 0's slots
     assert cache.kv.shape[2] == 2 and cache.lengths.tolist() == [6, 3] and cache.max_committed == 6
-    assert cache.kv[1, 0, 1, 0, :3].eq(7).all()
+    assert cache.kv[1, 0, 1, 0, :3].eq(7).all() and cache.kv[:, :, 0, :, :6].eq(5).all()
+    for layer in range(2):  # a pass writes through each layer's keys viewed flat: they stay contiguous
+        assert cache.kv[layer, 0].is_contiguous()
+    cache.update(torch.ones(2, 1, 1, 2), torch.ones(2, 1, 1, 2), 0)
+    cache.commit(1)
+    assert cache.kv[0, 0, 0, 0, 6].eq(1).all() and cache.kv[0, 0, 1, 0, 3].eq(1).all()
+    assert cache.keep_rows([1]) == [1] and cache.lengths.tolist() == [4] and cache.kv[1, 0, 0, 0, :3].eq(7).all()
 
 
 @pytest.mark.gpu
