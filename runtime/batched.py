@@ -176,25 +176,6 @@ class Allocation:
     pass_seconds: float | None = None
     overhead: float = 0.0
     model_call: float = 0.0
-    # (curve, largest) for passes of fewer live rows, by ``row_bucket`` (``at_rows``); the fields above are those of
-    # the bucket in use, and each bucket keeps what it learnt while another was in use
-    fewer_rows: dict[int, tuple[dict[int, float], dict[str, int]]] = field(default_factory=dict)
-    bucket: int = 0
-    _learnt: dict[int, tuple] = field(default_factory=dict)
-
-    def at_rows(self, bucket: int) -> None:
-        """Price the next passes by the curve of ``bucket`` (a key of ``fewer_rows``, or 0: the run's own width). A
-        pass of few rows is bound by reading the weights, so a node costs it far less than it costs a pass of many:
-        the curve of the run's width would keep the last rows of a draining batch from drafting what pays."""
-        if bucket == self.bucket or (bucket and bucket not in self.fewer_rows):
-            return
-        self._learnt[self.bucket] = (self.curve, self.largest, self.pass_seconds, self.overhead, self.model_call)
-        if bucket in self._learnt:
-            self.curve, self.largest, self.pass_seconds, self.overhead, self.model_call = self._learnt[bucket]
-        else:
-            self.curve, self.largest = self.fewer_rows[bucket]
-            self.pass_seconds, self.overhead, self.model_call = None, 0.0, 0.0
-        self.bucket = bucket
 
     def observe_step(self, nodes_per_row: float, forward: float, model: float, step: float,
                      model_call: float | None = None) -> None:
@@ -441,8 +422,6 @@ class BatchedDecoder:
                     break
                 with torch.inference_mode():
                     rows = [rows[slot] for slot in cache.keep_rows(live)]
-            if self.allocation is not None:
-                self.allocation.at_rows(0 if row_bucket(len(rows)) == row_bucket(width) else row_bucket(len(rows)))
             trial = self._trial(len(rows)) if trying else None
             size = self.tree_size if trial is None else trial.size()
             step_started = time.perf_counter()
@@ -490,33 +469,25 @@ class BatchedDecoder:
 
     def _start_allocation(self, width: int) -> None:
         """Per-pass sizes for a greedy run of ``width`` rows: the cost curve measured at that batch size (one row:
-        the sizes adaptive sizing considers), each drafter's largest tree, acceptance learnt from the priors; and
-        the same for each power-of-two count of rows below ``width``, which the run's passes take as rows finish
-        (``cost_curves_for``)."""
-        priors = {name: drafter.expected_acceptance for name, drafter in drafters(self.proposer).items()}
-        models = {name for name, drafter in drafters(self.proposer).items()
-                  if not getattr(drafter, "drafts_without_a_model", False)}
-        self.allocation = Allocation(*self._pass_costs(width), priors, models)
-        self.allocation.fewer_rows = {rows: self._pass_costs(rows) for rows in cost_curves_for(width)[1:]}
-        self.tree_size = max(max(largest.values()) for _, largest in
-                             [(None, self.allocation.largest), *self.allocation.fewer_rows.values()])
-        self.tree_size_reason = (f"up to {self.tree_size}, allocated per row and pass on this machine's cost curve at "
-                                 f"{width} rows from each row's acceptance")
-
-    def _pass_costs(self, rows: int) -> tuple[dict[int, float], dict[str, int]]:
-        """(the cost curve of passes of ``rows`` rows, each drafter's largest tree there)."""
-        curve = cost_curve(self.target, rows)
-        if rows == 1:
+        the sizes adaptive sizing considers), each drafter's largest tree, acceptance learnt from the priors."""
+        curve = cost_curve(self.target, width)
+        if width == 1:
             curve = {size: cost for size, cost in curve.items() if size <= ADAPTIVE_MAX_SIZE}
-        largest = {}
+        largest, priors = {}, {}
         for name, drafter in drafters(self.proposer).items():
             depth = max_draft_depth(drafter)
             largest[name] = max(curve) if depth is None else min(max(curve), depth + 1)
             if not getattr(drafter, "drafts_without_a_model", False):
                 # A model drafts a tree level by level, a cost the curve (verification alone) does not hold: its
                 # rows go no deeper than one size for the whole run would make them.
-                largest[name] = min(largest[name], batch_tree_size(self.target, drafter, rows)[0])
-        return curve, largest
+                largest[name] = min(largest[name], batch_tree_size(self.target, drafter, width)[0])
+            priors[name] = drafter.expected_acceptance
+        models = {name for name, drafter in drafters(self.proposer).items()
+                  if not getattr(drafter, "drafts_without_a_model", False)}
+        self.allocation = Allocation(curve, largest, priors, models)
+        self.tree_size = max(largest.values())
+        self.tree_size_reason = (f"up to {self.tree_size}, allocated per row and pass on this machine's cost curve at "
+                                 f"{width} rows from each row's acceptance")
 
     def _prefill(self, cache: KVCache, indices: list[int], prompts: list[torch.Tensor], max_new_tokens: int,
                  sampling: SamplingParams, seeds: list[int] | None) -> list[_Row]:
@@ -746,13 +717,6 @@ def row_bucket(rows: int) -> int:
     """The largest power of two at most ``rows`` (>= 1): passes of 16-31 live rows share a drafting trial, 8-15
     another, and so on."""
     return 1 << (max(rows, 1).bit_length() - 1)
-
-
-def cost_curves_for(width: int) -> list[int]:
-    """The row counts whose cost curves a greedy run of ``width`` rows that allocates per pass prices its passes by:
-    its width while as many live rows share its ``row_bucket``, then each smaller power of two down to 1, as its
-    rows finish."""
-    return [width] + [1 << k for k in range(row_bucket(width).bit_length() - 2, -1, -1)]
 
 
 def recorded_features(recorded: list[tuple[torch.Tensor, ...]], layers: tuple[int, ...],

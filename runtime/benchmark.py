@@ -749,7 +749,7 @@ def run_batch_benchmark(target, target_name: str, methods: dict[str, Method], pr
     """
     from tqdm import tqdm
 
-    from runtime.batched import BatchedDecoder, cost_curves_for
+    from runtime.batched import BatchedDecoder
     from runtime.cost_model import cost_curve
     from runtime.decoder import SpeculativeDecoder
     from runtime.prompts import batch_pad_token_id, encode_prompt
@@ -814,10 +814,9 @@ def run_batch_benchmark(target, target_name: str, methods: dict[str, Method], pr
         encoded = [encode_prompt(tokenizer, p["prompt"]) for p in prompts]
         step = -(-(chunk_size or sizes[-1]) // sizes[-1]) * sizes[-1]
         chunks = [list(range(start, min(start + step, len(prompts)))) for start in range(0, len(prompts), step)]
-        # a batched decoder sizes its trees from the cost curves at its width and, as rows finish, at fewer rows,
-        # each measured once on first use: a short last chunk decodes at fewer rows; all are measured here rather
-        # than inside a timing
-        widths = {rows for size in sizes[1:] for chunk in chunks for rows in cost_curves_for(min(size, len(chunk)))}
+        # a batched decoder sizes its tree from the cost curve at its width, measured once on first use: a short
+        # last chunk decodes at fewer rows, whose curve is measured here rather than inside its timing
+        widths = {min(size, len(chunk)) for size in sizes[1:] for chunk in chunks} - {1}
         if any(decoders[size] for size in sizes[1:]):
             for width in sorted(widths):
                 cost_curve(target, width)

@@ -397,31 +397,6 @@ def test_suffix_matches_and_continuations_by_hand():
     assert suffix_matches(np.array([5, 5, 5, 5]), 4)[1].tolist() == [3, 2, 1]  # a match stops at the start
 
 
-def test_passes_of_fewer_live_rows_are_priced_by_their_own_curve_by_hand():
-    """As a batch drains, ``Allocation.at_rows`` prices passes by the curve of that many rows, where a node costs
-    little, and each count of rows keeps what it learnt."""
-    from runtime.batched import Allocation, cost_curves_for
-
-    many = {1: 1.0, 2: 1.5, 4: 2.5}  # arithmetic-bound: a second node per row costs half a pass
-    few = {1: 1.0, 2: 1.05, 4: 1.2}  # bound by reading the weights: nodes are nearly free
-    allocation = Allocation(many, {"ngram": 4}, {"ngram": 0.45}, set())
-    allocation.fewer_rows = {2: (few, {"ngram": 4})}
-    gains = [[0.4, 0.3, 0.2]] * 2
-    keys = [("ngram", 2)] * 2
-    assert allocation.sizes(gains, keys) == [1, 1]  # a 0.4 node does not pay at half a pass
-    allocation.observe_step(nodes_per_row=1.0, forward=0.1, model=0.0, step=0.12)
-    learnt = allocation.overhead
-    allocation.at_rows(2)
-    assert allocation.curve is few and allocation.overhead == 0.0 and allocation.pass_seconds is None
-    assert allocation.sizes(gains, keys) == [4, 4]
-    allocation.at_rows(8)  # no curve for 8 rows: stays
-    assert allocation.curve is few
-    allocation.at_rows(0)  # back to the run's width, with what it learnt there
-    assert allocation.curve is many and allocation.overhead == learnt and allocation.pass_seconds == 0.1
-    assert cost_curves_for(16) == [16, 8, 4, 2, 1] and cost_curves_for(12) == [12, 4, 2, 1]
-    assert cost_curves_for(3) == [3, 1] and cost_curves_for(1) == [1]
-
-
 def test_rows_are_sized_without_a_models_call_when_that_pays_more_by_hand():
     """``Allocation.sizes``: a model drafter's call costs about as much for one row as for all, so rows are sized
     without it and with it, and the step with more tokens per unit of cost is taken."""
