@@ -255,8 +255,8 @@ class SpeculativeDecoder:
                 history[length:length + len(emitted)] = torch.tensor(emitted, device=device)
                 length += len(emitted)
                 # who drafts this step: what sizes its tree, and whose acceptance the monitor holds it to
-                named = self.sizers or self.monitor.drafter is not None
-                source = draft_source(proposer, state, history[:length]) if named else None
+                needs_source = self.sizers or self.monitor.drafter is not None
+                source = draft_source(proposer, state, history[:length]) if needs_source else None
                 if self.sizers and not sampling.greedy:
                     sizer, size = None, self.sampled_size
                 else:
