@@ -80,7 +80,7 @@ from runtime.proposers.base import (NoProposer, Proposer, ProposeInput, draft_ke
 from runtime.sampling import SamplingParams, greedy_tokens, new_generator
 from runtime.target import Target
 from runtime.tree import Draft, Tree
-from runtime.tree_sizing import (DepthAcceptance, DraftingTrial, allocate_nodes, allocation_value,
+from runtime.tree_sizing import (CurveScale, DepthAcceptance, DraftingTrial, allocate_nodes, allocation_value,
                                  interpolated_cost, probe_step)
 
 
@@ -176,13 +176,25 @@ class Allocation:
     pass_seconds: float | None = None
     overhead: float = 0.0
     model_call: float = 0.0
+    # The curve's cost above one node per row, corrected by what the run's passes at its full width (``width``; 0:
+    # every pass) measure (``CurveScale``); ``priced`` is the corrected curve the sizes come from.
+    width: int = 0
+    scale: CurveScale = field(default_factory=CurveScale)
+    priced: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.priced = self.priced or dict(self.curve)
 
     def observe_step(self, nodes_per_row: float, forward: float, model: float, step: float,
-                     model_call: float | None = None) -> None:
-        """One step's seconds: its verification pass (``nodes_per_row`` nodes per row on average), a model's
-        drafting (0: no row drafted with a model), the whole step; ``model_call``: the model's call, where it
-        costs what drafting once more costs (None: not such a call, ``BatchedDecoder._reads_one_pass``)."""
-        one = forward / interpolated_cost(self.curve, nodes_per_row)
+                     model_call: float | None = None, rows: int | None = None) -> None:
+        """One step's seconds: its verification pass (``nodes_per_row`` nodes per row on average over its ``rows``
+        rows), a model's drafting (0: no row drafted with a model), the whole step; ``model_call``: the model's
+        call, where it costs what drafting once more costs (None: not such a call,
+        ``BatchedDecoder._reads_one_pass``). A pass of the run's full width also prices the curve (``scale``)."""
+        if rows is not None and (not self.width or rows == self.width):
+            self.scale.observe(interpolated_cost(self.curve, nodes_per_row) - 1, forward)
+            self.priced = self.scale.curve(self.curve)
+        one = forward / interpolated_cost(self.priced, nodes_per_row)
         self.pass_seconds = one if self.pass_seconds is None else 0.9 * self.pass_seconds + 0.1 * one
         self.overhead = 0.9 * self.overhead + 0.1 * max(step - forward - model, 0.0) / self.pass_seconds
         if model_call:
@@ -196,12 +208,12 @@ class Allocation:
         fixed = self.overhead
         models = [key is not None and key[0] in self.models for key in keys]
         free = [[] if model else row_gains for row_gains, model in zip(gains, models)]
-        sizes = allocate_nodes(free, self.curve, fixed)
+        sizes = allocate_nodes(free, self.priced, fixed)
         if any(model and row_gains for row_gains, model in zip(gains, models)):
             call = self.model_call / self.pass_seconds if self.pass_seconds else 0.0
-            with_models = allocate_nodes(gains, self.curve, fixed + call)
-            if (allocation_value(gains, with_models, self.curve, fixed + call)
-                    > allocation_value(free, sizes, self.curve, fixed)):
+            with_models = allocate_nodes(gains, self.priced, fixed + call)
+            if (allocation_value(gains, with_models, self.priced, fixed + call)
+                    > allocation_value(free, sizes, self.priced, fixed)):
                 return with_models
         return sizes
 
@@ -459,13 +471,17 @@ class BatchedDecoder:
     def _allocates(self, sampling: SamplingParams, width: int) -> bool:
         """Whether this run's tree sizes are allocated per row and pass (``tree_size`` holds the run's one size):
         greedy, exact acceptance, a proposer that drafts and does not size its own trees, and ``per_row_sizes``
-        True, or None where the run has several rows and one size for it would draft at all (else the head's every
-        pass would cost what plain decoding does not; a lone row keeps the one-row decoder's sizing)."""
+        True, or None where the run has several rows and either one size for it would draft at all (else the head's
+        every pass would cost what plain decoding does not; a lone row keeps the one-row decoder's sizing) or a
+        drafter looks its drafts up: a lookup costs nothing where it finds nothing, and its long matches pay at
+        batch sizes where its average match does not."""
         if self.per_row_sizes is False or not (sampling.greedy and self.acceptance == "exact"):
             return False
         if self.proposer.expected_acceptance <= 0 or sizes_own_tree(self.proposer):
             return False
-        return self.per_row_sizes is True or (self.tree_size > 1 and width > 1)
+        looks_up = any(getattr(drafter, "drafts_without_a_model", False)
+                       for drafter in drafters(self.proposer).values())
+        return self.per_row_sizes is True or (width > 1 and (self.tree_size > 1 or looks_up))
 
     def _start_allocation(self, width: int) -> None:
         """Per-pass sizes for a greedy run of ``width`` rows: the cost curve measured at that batch size (one row:
@@ -484,7 +500,7 @@ class BatchedDecoder:
             priors[name] = drafter.expected_acceptance
         models = {name for name, drafter in drafters(self.proposer).items()
                   if not getattr(drafter, "drafts_without_a_model", False)}
-        self.allocation = Allocation(curve, largest, priors, models)
+        self.allocation = Allocation(curve, largest, priors, models, width=width)
         self.tree_size = max(largest.values())
         self.tree_size_reason = (f"up to {self.tree_size}, allocated per row and pass on this machine's cost curve at "
                                  f"{width} rows from each row's acceptance")
@@ -665,7 +681,8 @@ class BatchedDecoder:
                     self._record(row, hidden, layer_hidden[proposer_layers:])
         if self.allocation is not None:
             self.allocation.observe_step(sum(counts) / batch, forward_seconds, model_seconds,
-                                         time.perf_counter() - step_started, model_seconds if one_pass else None)
+                                         time.perf_counter() - step_started, model_seconds if one_pass else None,
+                                         rows=batch)
         return sum(len(path) for path, _ in paths)
 
     def _reads_one_pass(self, rows: list[_Row], drafting: list[int], sources: list[tuple[str, int] | None]) -> bool:

@@ -292,6 +292,42 @@ class DraftingTrial:
                 f"choice, {self.switches} switches)")
 
 
+@dataclass
+class CurveScale:
+    """How far a run's passes cost above a one-node pass, against what the cost curve says.
+
+    The curve is measured once per machine and cached; measured while the machine was busy or its clock was elsewhere,
+    its cost above one node can be off by half (and a drafting decision at many rows turns on exactly that: whether a
+    node's price is below its acceptance). Each pass reports ``extra``, the curve's cost above a one-node pass at the
+    pass's nodes per row (in one-node passes), and its seconds; a least-squares line seconds = a + b * extra over the
+    passes, recent ones weighing more (``decay`` per pass), gives ``scale`` = b / a, the factor by which the curve's
+    extra cost is off. It moves only once the passes' extras spread enough to tell a slope (weighted variance at least
+    ``min_spread``, ``min_passes`` passes' weight) and stays within [``1 / limit``, ``limit``]. Pure bookkeeping."""
+
+    decay: float = 0.97
+    min_spread: float = 0.002
+    min_passes: float = 8.0
+    limit: float = 3.0
+    scale: float = 1.0
+    _sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)  # weight, x, y, xx, xy
+
+    def observe(self, extra: float, seconds: float) -> None:
+        weight, sx, sy, sxx, sxy = (self.decay * s for s in self._sums)
+        self._sums = (weight + 1, sx + extra, sy + seconds, sxx + extra * extra, sxy + extra * seconds)
+        weight, sx, sy, sxx, sxy = self._sums
+        spread = sxx / weight - (sx / weight) ** 2
+        if weight < self.min_passes or spread < self.min_spread:
+            return
+        slope = (sxy / weight - sx / weight * sy / weight) / spread
+        base = sy / weight - slope * sx / weight
+        if base > 0:
+            self.scale = min(max(slope / base, 1 / self.limit), self.limit)
+
+    def curve(self, curve: dict[int, float]) -> dict[int, float]:
+        """``curve`` ({nodes: cost relative to one}) with its cost above one node scaled."""
+        return {size: 1 + self.scale * (cost - 1) for size, cost in curve.items()}
+
+
 def probe_step(step: int, every: int = 32) -> bool:
     """Whether step ``step`` (counting from 1) probes a size other than the best: steps 4, 8 and 16, then every
     ``every``th (never when ``every`` is 0)."""

@@ -169,11 +169,11 @@ def test_a_heads_call_after_skipped_passes_is_not_taken_as_its_price(monkeypatch
 
     observe_step = runtime.batched.Allocation.observe_step
 
-    def recording(self, nodes_per_row, forward, model, step, model_call=None):
+    def recording(self, nodes_per_row, forward, model, step, model_call=None, rows=None):
         if model:
             measured.append(model_call is not None)
             assert model_call is None or model_call == model
-        observe_step(self, nodes_per_row, forward, model, step, model_call)
+        observe_step(self, nodes_per_row, forward, model, step, model_call, rows)
 
     monkeypatch.setattr(runtime.batched.Allocation, "sizes", one_row_drafts)
     monkeypatch.setattr(runtime.batched.Allocation, "observe_step", recording)

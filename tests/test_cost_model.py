@@ -129,6 +129,7 @@ def test_the_batched_tree_size_follows_the_cost_curve_at_the_batch_size(monkeypa
     from runtime.proposers import NgramProposer
     from runtime.target import target_from_model
     from tests.conftest import tiny_model
+    from tests.proposers_for_tests import BadProposer
 
     curves = {1: {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3}, 2: {1: 1.0, 2: 1.1, 4: 1.45, 8: 2.0},
               4: {1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5}}
@@ -136,18 +137,23 @@ def test_the_batched_tree_size_follows_the_cost_curve_at_the_batch_size(monkeypa
     monkeypatch.setattr("runtime.batched.cost_curve", runtime.cost_model.cost_curve)  # its own import
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=64), identity="tiny")
     decoder = BatchedDecoder(target, NgramProposer(), per_row_sizes=False)  # prior acceptance 0.45
-    default = BatchedDecoder(target, NgramProposer(), per_row_sizes=None)  # per row where one size would draft
+    default = BatchedDecoder(target, NgramProposer(), per_row_sizes=None)  # per row: lookup at any batch size
+    modelled = BatchedDecoder(target, BadProposer(), per_row_sizes=None)  # per row where one size would draft
     prompts = [[1, 2, 3, 1, 2, 3]] * 4
     chosen = {}
     for rows in (1, 2, 4):
         decoder.generate(prompts, 4, batch_size=rows)
         chosen[rows] = decoder.tree_size
         default.generate(prompts, 4, batch_size=rows)
-        # None: sizes per row where several rows' one size would draft, plain decoding where it would not, and a
-        # lone row's one size
-        assert (default.allocation is not None) == (rows > 1 and chosen[rows] > 1)
+        modelled.generate(prompts, 4, batch_size=rows)
+        # None: a lookup's sizes per row at every batch size of several rows (a lookup that finds nothing costs
+        # nothing, and its long matches pay where its average does not); another drafter's per row where several
+        # rows' one size would draft, plain decoding where it would not; a lone row's one size
+        assert (default.allocation is not None) == (rows > 1)
+        assert (modelled.allocation is not None) == (rows > 1 and modelled.tree_size > 1)
     assert chosen == {1: 4, 2: 2, 4: 1} and "drafting does not pay" in decoder.tree_size_reason
-    assert default.tree_size == 1 and "drafting does not pay" in default.tree_size_reason
+    assert default.tree_size > 1 and "allocated per row and pass" in default.tree_size_reason
+    assert modelled.tree_size == 1 and "drafting does not pay" in modelled.tree_size_reason
     decoder.generate(prompts, 4, batch_size=4, temperature=1.0, seeds=[0, 1, 2, 3])
     assert decoder.tree_size == 4
 
@@ -163,6 +169,54 @@ def test_the_batched_tree_size_follows_the_cost_curve_at_the_batch_size(monkeypa
     assert mean_size[4] < mean_size[1]
     per_row.generate(prompts, 4, batch_size=4, temperature=1.0, seeds=[0, 1, 2, 3])
     assert per_row.tree_size == 4 and per_row.allocation is None
+
+
+def test_the_curves_price_above_one_node_is_learnt_from_the_passes_by_hand():
+    """``CurveScale``: passes whose cost above one node is 1.5 times what the curve says move the scale to 1.5 (a
+    cached curve measured on a busy machine understates it); passes that all sit at one size cannot tell a slope and
+    leave it; the scale stays within its limits."""
+    from runtime.tree_sizing import CurveScale
+
+    curve = {1: 1.0, 2: 1.4, 4: 2.2}
+    scale = CurveScale()
+    for extra in [0.0, 0.1, 0.4, 0.2, 0.0, 0.3] * 4:  # seconds = 0.02 * (1 + 1.5 * extra)
+        scale.observe(extra, 0.02 * (1 + 1.5 * extra))
+    assert scale.scale == pytest.approx(1.5)
+    assert scale.curve(curve) == pytest.approx({1: 1.0, 2: 1.6, 4: 2.8})
+    flat = CurveScale()
+    for seconds in (0.02, 0.03, 0.025) * 6:
+        flat.observe(0.4, seconds)
+    assert flat.scale == 1.0
+    steep = CurveScale()
+    for extra in [0.0, 0.1, 0.2] * 6:
+        steep.observe(extra, 0.02 * (1 + 10 * extra))
+    assert steep.scale == pytest.approx(steep.limit)
+    few = CurveScale()
+    few.observe(0.0, 0.02)
+    few.observe(0.5, 0.04)
+    assert few.scale == 1.0  # two passes are not enough to go by
+
+
+def test_a_run_prices_its_curve_from_its_full_width_passes_by_hand():
+    """``Allocation.observe_step``: passes at the run's full width correct the curve the sizes come from; passes
+    of a draining batch (fewer rows) do not, since a pass of fewer rows is cheaper at every size."""
+    from runtime.batched import Allocation
+
+    allocation = Allocation({1: 1.0, 2: 1.4, 4: 2.2}, {"ngram": 4}, {"ngram": 0.45}, set(), width=4)
+    for nodes in [1.0, 1.25, 2.0, 1.5] * 4:  # the curve says 1.0 / 1.1 / 1.4 / 1.2, the passes cost twice above 1
+        extra = 0.4 * (nodes - 1)
+        allocation.observe_step(nodes, 0.02 * (1 + 2 * extra), 0.0, 0.03, rows=4)
+        allocation.observe_step(1.0, 0.001, 0.0, 0.002, rows=2)  # a drained pass: cheap, and not a full width
+    assert allocation.scale.scale == pytest.approx(2.0)
+    assert allocation.priced == pytest.approx({1: 1.0, 2: 1.8, 4: 3.4})
+    # sized on the priced curve: a first node accepted 0.5 of the time paid at 0.4 of a pass and no longer does
+    assert allocate_nodes_on(allocation, [[0.5]] * 4) == [1, 1, 1, 1]
+    assert allocate_nodes_on(Allocation({1: 1.0, 2: 1.4, 4: 2.2}, {"ngram": 4}, {"ngram": 0.45}, set()),
+                             [[0.5]] * 4) == [2, 2, 2, 2]
+
+
+def allocate_nodes_on(allocation, gains):
+    return allocation.sizes(gains, [("ngram", 4)] * len(gains))
 
 
 def test_nodes_go_where_they_pay_by_hand():
