@@ -40,8 +40,10 @@ only for its own nodes. By default greedy rows of a run of several get their siz
 and level (prompt lookup's level is the length of the suffix it matched, and 4-token matches are right far more often
 than 2-token ones) and pulled towards what every row of the run gets accepted there, says what each further node would
 add, and the nodes worth their cost go in, best first, whichever row they belong to: a row in repetitive text drafts
-deep while its neighbours draft nothing. The cost is the curve measured at the run's batch size (verification alone)
-plus what the run's steps measure beside it: bookkeeping, and a model drafter's call, which costs about as much for
+deep while its neighbours draft nothing. The cost is the curve measured at the run's batch size (verification alone),
+its cost above one node re-priced by the run's own full-width passes (``runtime.tree_sizing.CurveScale``: a cached
+curve measured on a busy machine misprices a node, and at many rows a node's price decides whether it pays), plus
+what the run's steps measure beside it: bookkeeping, and a model drafter's call, which costs about as much for
 one row as for all, so rows are sized with and without it. A row given no node skips its proposer; the features a head
 would have read wait in the row for its next draft, and that call, which reads them all, is not taken as the price of
 drafting once more (``BatchedDecoder._reads_one_pass``). ``per_row_sizes=False`` keeps one size for every row and step
@@ -69,7 +71,7 @@ import torch
 
 from runtime.acceptance import greedy_accept
 from runtime.cost_model import (ADAPTIVE_MAX_SIZE, batch_tree_size, cost_curve, max_draft_depth,
-                                pass_overhead_tokens, prefill_groups)
+                                pass_overhead_tokens, prefill_groups, synchronized_seconds)
 from runtime.decoder import (GenerationResult, Stops, checked_backend, checked_draft, count_depths, drawn_accept,
                              pick_token, prompt_tensor)
 from runtime.kv_cache import KVCache
@@ -234,23 +236,22 @@ class BatchedDecoder:
 
     tree_size: the verified tree's size (nodes, root included) for every row and step; None chooses sizes per run from
     the cost curve measured at the run's batch size. per_row_sizes (with tree_size None): None (the default) has a
-    greedy run allocate each row's size per pass (``runtime.tree_sizing.allocate_nodes``: from that curve, what a
-    step costs beside it, and each row's acceptance at its drafter and level) where one size for the run would draft
-    at all, and decode plainly where it would not; False keeps one size for the run (``runtime.cost_model.
-    batch_tree_size``: it shrinks as the batch grows, to plain decoding where drafting stops paying); True always
-    allocates (``scripts/bench_batch_drafting.py --compare per-row-sizes`` measures per-row sizes against one size per
-    run). A row given no draft node skips its proposer that pass. A sampling run keeps the one-row size, so a sampled
-    row's trees never depend on its neighbours. attention and acceptance as in ``runtime.decoder.SpeculativeDecoder``.
-    ``stats`` describes the latest run (``BatchStats``). trial_passes: a greedy run of several rows that drafts
-    measures drafting against plain decoding, this many passes each in alternating blocks, chooses the faster and
-    measures the other again now and then (``runtime.tree_sizing.DraftingTrial``), apart for each power-of-two
-    count of live rows (``row_bucket``); the decoder's later runs carry on from what it measured; 0 trusts the cost
-    curve. ``monitor``: the proposer's rolling depth-1
-    acceptance over every row of every run, with a warning when it stays far below what its head measured in training
-    (``runtime.monitor.AcceptanceMonitor``); a row's own rate is its result's ``depth_acceptance[0]``.
-    draft_together: greedy rows draft in one proposer call where the proposer can (``propose_rows``); False drafts
-    every row alone, as sampled rows always do (``scripts/bench_batch_drafting.py`` measures one against the
-    other).
+    greedy run allocate each row's size per pass (``runtime.tree_sizing.allocate_nodes``: from that curve, what a step
+    costs beside it, and each row's acceptance at its drafter and level) where one size for the run would draft at all
+    or a drafter looks its drafts up, and decode plainly where neither holds; False keeps one size for the run
+    (``runtime.cost_model.batch_tree_size``: it shrinks as the batch grows, to plain decoding where drafting stops
+    paying); True always allocates (``scripts/bench_batch_drafting.py --compare per-row-sizes`` measures per-row sizes
+    against one size per run). A row given no draft node skips its proposer that pass. A sampling run keeps the one-row
+    size, so a sampled row's trees never depend on its neighbours. attention and acceptance as in
+    ``runtime.decoder.SpeculativeDecoder``. ``stats`` describes the latest run (``BatchStats``). trial_passes: a greedy
+    run of several rows that drafts measures drafting against plain decoding, this many passes each in alternating
+    blocks, chooses the faster and measures the other again now and then (``runtime.tree_sizing.DraftingTrial``), apart
+    for each power-of-two count of live rows (``row_bucket``); the decoder's later runs carry on from what it measured;
+    0 trusts the cost curve. ``monitor``: the proposer's rolling depth-1 acceptance over every row of every run, with a
+    warning when it stays far below what its head measured in training (``runtime.monitor.AcceptanceMonitor``); a row's
+    own rate is its result's ``depth_acceptance[0]``. draft_together: greedy rows draft in one proposer call where the
+    proposer can (``propose_rows``); False drafts every row alone, as sampled rows always do
+    (``scripts/bench_batch_drafting.py`` measures one against the other).
 
     record_layers: when given, each result carries ``features`` (``recorded_features``): the target's hidden
     states at every position of prompt + output that the passes computed, the last hidden state and the inputs of
@@ -634,7 +635,8 @@ class BatchedDecoder:
         out = target.forward(tokens.to(device), positions.to(device), cache, mask.to(device),
                              hidden_layers=self.pass_layers, backend=self.attention,
                              prefix_len=min(committed), key_positions=key_positions.to(device), ragged=ragged)
-        forward_seconds = time.perf_counter() - forward_started
+        # on a GPU the pass runs asynchronously: its seconds price the run's nodes (``Allocation``) only once it ends
+        forward_seconds = synchronized_seconds(device, forward_started)
         # each row's outputs [n_b, ...]: its slice of the packed pass, or its padded row
         spans = ragged.row_slices() if ragged is not None else [slice(0, nodes)] * batch
         lead = [0] * batch if ragged is not None else list(range(batch))
