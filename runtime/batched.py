@@ -303,9 +303,11 @@ class BatchedDecoder:
 
     def tree_size_report(self) -> dict:
         """How the tree size was chosen (as ``SpeculativeDecoder.tree_size_report``), with each drafter's acceptance
-        by depth over the latest run where sizes were allocated per pass."""
+        by depth over the latest run where sizes were allocated per pass and the factor its passes scaled the cost
+        curve's cost above one node by (``CurveScale``)."""
         report: dict = {"reason": self.tree_size_reason}
         if self.allocation is not None:
+            report["curve_scale"] = round(self.allocation.scale.scale, 3)
             report["acceptance_by_depth"] = {
                 name if not level else f"{name}@{level}": [round(run.rate(d), 3)
                                                            for d in range(1, len(run.attempts) + 1)]

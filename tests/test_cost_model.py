@@ -153,6 +153,7 @@ def test_the_batched_tree_size_follows_the_cost_curve_at_the_batch_size(monkeypa
         assert (modelled.allocation is not None) == (rows > 1 and modelled.tree_size > 1)
     assert chosen == {1: 4, 2: 2, 4: 1} and "drafting does not pay" in decoder.tree_size_reason
     assert default.tree_size > 1 and "allocated per row and pass" in default.tree_size_reason
+    assert default.tree_size_report()["curve_scale"] > 0
     assert modelled.tree_size == 1 and "drafting does not pay" in modelled.tree_size_reason
     decoder.generate(prompts, 4, batch_size=4, temperature=1.0, seeds=[0, 1, 2, 3])
     assert decoder.tree_size == 4
