@@ -77,8 +77,9 @@ from runtime.decoder import (GenerationResult, Stops, checked_backend, checked_d
 from runtime.kv_cache import KVCache
 from runtime.ragged import RaggedRows
 from runtime.monitor import monitor_for
-from runtime.proposers.base import (NoProposer, Proposer, ProposeInput, draft_key, draft_source, drafters, extra_rows,
-                                    observe, propose_rows, sizes_own_tree, unread_rows)
+from runtime.proposers.base import (NoProposer, Proposer, ProposeInput, draft_key, draft_source, drafters,
+                                    drafts_with_a_model, extra_rows, observe, propose_rows, sizes_own_tree,
+                                    unread_rows)
 from runtime.sampling import SamplingParams, greedy_tokens, new_generator
 from runtime.target import Target
 from runtime.tree import Draft, Tree
@@ -179,13 +180,14 @@ class Allocation:
     overhead: float = 0.0
     model_call: float = 0.0
     # The curve's cost above one node per row, corrected by what the run's passes at its full width (``width``; 0:
-    # every pass) measure (``CurveScale``); ``priced`` is the corrected curve the sizes come from.
+    # every pass) measure (``CurveScale``).
     width: int = 0
     scale: CurveScale = field(default_factory=CurveScale)
-    priced: dict[int, float] = field(default_factory=dict)
 
-    def __post_init__(self):
-        self.priced = self.priced or dict(self.curve)
+    @property
+    def priced(self) -> dict[int, float]:
+        """The corrected curve the sizes come from."""
+        return self.scale.curve(self.curve)
 
     def observe_step(self, nodes_per_row: float, forward: float, model: float, step: float,
                      model_call: float | None = None, rows: int | None = None) -> None:
@@ -195,7 +197,6 @@ class Allocation:
         ``BatchedDecoder._reads_one_pass``). A pass of the run's full width also prices the curve (``scale``)."""
         if rows is not None and (not self.width or rows == self.width):
             self.scale.observe(interpolated_cost(self.curve, nodes_per_row) - 1, forward)
-            self.priced = self.scale.curve(self.curve)
         one = forward / interpolated_cost(self.priced, nodes_per_row)
         self.pass_seconds = one if self.pass_seconds is None else 0.9 * self.pass_seconds + 0.1 * one
         self.overhead = 0.9 * self.overhead + 0.1 * max(step - forward - model, 0.0) / self.pass_seconds
@@ -207,15 +208,15 @@ class Allocation:
         add and ``keys`` who drafts them. A model's call costs about as much for one row as for all (a decode-sized
         pass is bound by reading weights and per-call overhead), so the rows lookup drafts are sized without it, then
         all rows with it, and the step that gets more tokens per unit of cost is taken."""
-        fixed = self.overhead
+        fixed, curve = self.overhead, self.priced
         models = [key is not None and key[0] in self.models for key in keys]
         free = [[] if model else row_gains for row_gains, model in zip(gains, models)]
-        sizes = allocate_nodes(free, self.priced, fixed)
+        sizes = allocate_nodes(free, curve, fixed)
         if any(model and row_gains for row_gains, model in zip(gains, models)):
             call = self.model_call / self.pass_seconds if self.pass_seconds else 0.0
-            with_models = allocate_nodes(gains, self.priced, fixed + call)
-            if (allocation_value(gains, with_models, self.priced, fixed + call)
-                    > allocation_value(free, sizes, self.priced, fixed)):
+            with_models = allocate_nodes(gains, curve, fixed + call)
+            if (allocation_value(gains, with_models, curve, fixed + call)
+                    > allocation_value(free, sizes, curve, fixed)):
                 return with_models
         return sizes
 
@@ -482,8 +483,7 @@ class BatchedDecoder:
             return False
         if self.proposer.expected_acceptance <= 0 or sizes_own_tree(self.proposer):
             return False
-        looks_up = any(getattr(drafter, "drafts_without_a_model", False)
-                       for drafter in drafters(self.proposer).values())
+        looks_up = not all(map(drafts_with_a_model, drafters(self.proposer).values()))
         return self.per_row_sizes is True or (width > 1 and (self.tree_size > 1 or looks_up))
 
     def _start_allocation(self, width: int) -> None:
@@ -496,13 +496,12 @@ class BatchedDecoder:
         for name, drafter in drafters(self.proposer).items():
             depth = max_draft_depth(drafter)
             largest[name] = max(curve) if depth is None else min(max(curve), depth + 1)
-            if not getattr(drafter, "drafts_without_a_model", False):
+            if drafts_with_a_model(drafter):
                 # A model drafts a tree level by level, a cost the curve (verification alone) does not hold: its
                 # rows go no deeper than one size for the whole run would make them.
                 largest[name] = min(largest[name], batch_tree_size(self.target, drafter, width)[0])
             priors[name] = drafter.expected_acceptance
-        models = {name for name, drafter in drafters(self.proposer).items()
-                  if not getattr(drafter, "drafts_without_a_model", False)}
+        models = {name for name, drafter in drafters(self.proposer).items() if drafts_with_a_model(drafter)}
         self.allocation = Allocation(curve, largest, priors, models, width=width)
         self.tree_size = max(largest.values())
         self.tree_size_reason = (f"up to {self.tree_size}, allocated per row and pass on this machine's cost curve at "

@@ -116,6 +116,12 @@ def draft_key(proposer, state: Any, history: torch.Tensor) -> tuple[str, int] | 
     return None if found is None else (source, found)
 
 
+def drafts_with_a_model(drafter) -> bool:
+    """Whether ``drafter``'s drafting costs a model's call (a head, a draft model); a drafter that looks its drafts
+    up (``drafts_without_a_model``: prompt lookup) costs next to nothing, and nothing where it finds nothing."""
+    return not getattr(drafter, "drafts_without_a_model", False)
+
+
 def sizes_own_tree(proposer) -> bool:
     """Whether ``proposer`` verifies trees of its own ``tree_size`` at every step (``own_tree_size``). Adaptive
     sizing models a tree of n nodes as a chain n - 1 deep; a proposer whose gain comes from width (lookahead's
