@@ -76,8 +76,9 @@ class FeatureHead(DraftHead):
         return F.embedding(input_ids, self.embed_weight).to(dtype)
 
     def hidden_states(self, input_ids: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor,
-                      attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        """input_ids [B, T], features [B, T, F] -> hidden [B, T, H]."""
+                      attention_mask: torch.Tensor | None = None, cache=None, **attention_kwargs) -> torch.Tensor:
+        """input_ids [B, T], features [B, T, F] -> hidden [B, T, H]. ``attention_kwargs`` go to the attention
+        function (the runtime's tree attention takes ``ragged``: rows packed into one sequence, ``runtime.ragged``)."""
         raise NotImplementedError
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -129,12 +130,14 @@ class EagleHead(FeatureHead):
             raise ValueError("an EAGLE-1/2 head needs the target's LM head weight")
         self.target_lm_head.weight = lm_head_weight.detach()
 
-    def hidden_states(self, input_ids, features, position_ids, attention_mask=None, cache=None) -> torch.Tensor:
+    def hidden_states(self, input_ids, features, position_ids, attention_mask=None, cache=None,
+                      **attention_kwargs) -> torch.Tensor:
         hidden = self.fc(torch.cat((self.embed(input_ids, features.dtype), features), dim=-1))
         position_embeddings = self.rotary(hidden, position_ids)
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=attention_mask, position_ids=position_ids,
-                           position_embeddings=position_embeddings, **cache_argument(layer, cache))
+                           position_embeddings=position_embeddings, **cache_argument(layer, cache),
+                           **attention_kwargs)
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -100,7 +100,8 @@ class Eagle3Head(FeatureHead):
             if final_norm_weight is not None and final_norm_weight.shape == self.norm.weight.shape:
                 self.norm.weight.copy_(final_norm_weight)
 
-    def hidden_states(self, input_ids, features, position_ids, attention_mask=None, cache=None) -> torch.Tensor:
+    def hidden_states(self, input_ids, features, position_ids, attention_mask=None, cache=None,
+                      **attention_kwargs) -> torch.Tensor:
         """features [B, T, 3H] (fused target layers, first step) or [B, T, H] (the head's own hidden, later steps)."""
         if features.shape[-1] == 3 * self.hidden_size:
             features = self.fc(features)
@@ -113,7 +114,7 @@ class Eagle3Head(FeatureHead):
         attention_input = torch.cat((layer.input_layernorm(embeds), layer.hidden_norm(features)), dim=-1)
         attended, _ = layer.self_attn(hidden_states=attention_input, position_embeddings=position_embeddings,
                                       attention_mask=attention_mask, position_ids=position_ids,
-                                      **cache_argument(layer.self_attn, cache))
+                                      **cache_argument(layer.self_attn, cache), **attention_kwargs)
         hidden = features + attended
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 

@@ -18,7 +18,8 @@ Backends:
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -295,11 +296,33 @@ def use_tree_attention(module: torch.nn.Module) -> torch.nn.Module:
     target's do (PyTorch's SDPA costs milliseconds per call at a batch of rows, ``scripts/bench_decode_ops.py``).
     With gradients, or where no kernel applies, the tree attention is SDPA over the same mask."""
     name = register_with_transformers()
+    for config in _layer_configs(module):
+        config._attn_implementation = name
+    return module
+
+
+@contextmanager
+def tree_attention_for(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``use_tree_attention`` for the passes inside only, for a pass that needs what only the tree attention takes
+    (rows packed, ``runtime.ragged``); each layer's own setting comes back afterwards, so a module a user hands us is
+    not changed."""
+    stock = [(config, config._attn_implementation_internal) for config in _layer_configs(module)]
+    use_tree_attention(module)
+    try:
+        yield module
+    finally:
+        for config, setting in stock:
+            config._attn_implementation_internal = setting
+
+
+def _layer_configs(module: torch.nn.Module) -> list:
+    """The distinct configs the layers of ``module`` read their attention implementation from."""
+    found: dict[int, object] = {}
     for child in module.modules():
         config = getattr(child, "config", None)
         if config is not None and hasattr(config, "_attn_implementation_internal"):
-            config._attn_implementation = name
-    return module
+            found.setdefault(id(config), config)
+    return list(found.values())
 
 
 def register_with_transformers() -> str:

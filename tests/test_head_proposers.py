@@ -7,6 +7,7 @@ from heads.common import frozen_target_weights
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.medusa import MedusaConfig, MedusaHeads
+from runtime.attention import ATTN_IMPLEMENTATION
 from runtime.decoder import SpeculativeDecoder
 from runtime.proposers.eagle import EagleProposer
 from runtime.proposers.lookup_first import LookupFirstProposer
@@ -250,16 +251,30 @@ def test_heads_draft_for_several_rows_together_as_each_alone(name):
     alone = [proposer.propose(state, step(history, first))
              for state, history, first in zip(prepared(), histories, read_first)]
     states = prepared()
-    eagle = getattr(proposer, "head", proposer)  # the head proposer behind lookup first
+    eagle = proposer if isinstance(proposer, EagleProposer) else getattr(proposer, "head", None)
     passes = []
     if isinstance(eagle, EagleProposer):  # count the head's passes: one reads the rows, then one per tree level
         hidden_states = eagle.head.hidden_states
-        eagle.head.hidden_states = lambda *args: passes.append(args[0].shape[0]) or hidden_states(*args)
+
+        def counted(tokens, *args, **kwargs):  # (rows, tokens) of each pass; packed rows say how many they are
+            ragged = kwargs.get("ragged")
+            passes.append((tokens.shape[0] if ragged is None else ragged.batch, tokens.numel()))
+            if ragged is not None:  # only the tree attention takes packed rows, switched on for the pass alone
+                assert eagle.head.layer_config._attn_implementation == ATTN_IMPLEMENTATION
+            return hidden_states(tokens, *args, **kwargs)
+
+        eagle.head.hidden_states = counted
+        stock = eagle.head.layer_config._attn_implementation
     together = proposer.propose_rows(states, [step(history, first) for history, first in zip(histories, read_first)])
     for one, both in zip(alone, together):
         assert torch.equal(one.tokens, both.tokens) and torch.equal(one.parents, both.parents)
     assert any(tree.size > 1 for tree in together)
     if isinstance(eagle, EagleProposer):
         del eagle.head.hidden_states
-        heads_rows = 2 if name.endswith("+ngram") else 3  # the row lookup drafts for does not go to the head
-        assert passes == [heads_rows] * min(eagle.depth, 5)  # the read, then depth - 1 levels, every row at once
+        assert eagle.head.layer_config._attn_implementation == stock  # the packed pass does not change the head
+        # the row lookup drafts for does not go to the head; the others' new rows go packed, without padding
+        heads_rows = [0, 1] if name.endswith("+ngram") else [0, 1, 2]
+        new_rows = sum(len(histories[b]) - 1 - read_first[b] for b in heads_rows)
+        assert passes[0] == (len(heads_rows), new_rows)
+        # then depth - 1 levels, every row at once
+        assert [rows for rows, _ in passes[1:]] == [len(heads_rows)] * (min(eagle.depth, 5) - 1)

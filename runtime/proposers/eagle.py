@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.attention import tree_attention_for
 from runtime.kv_cache import KVCache
 from runtime.proposers.base import ProposeInput
+from runtime.ragged import RaggedRows
 from runtime.proposers.dynamic import Frontier, build_dynamic_tree, build_dynamic_trees, expand_dynamic_tree
 from runtime.tree import Tree
 
@@ -88,37 +90,44 @@ class EagleProposer:
         generation b's newest row; the batch cache, row b holding generation b's rows, with room for its trees).
 
         Each generation's cache is copied into one ragged batch cache (the head has one layer, so that is a small
-        copy), the new rows of every generation go through the head together (padded, each row seeing its own
-        cache and its own new rows causally; a padding row sees its own slot), and each generation's new entries are
-        copied back into its own cache."""
+        copy), the new rows of every generation go through the head together, and each generation's new entries are
+        copied back into its own cache. Where generations have different counts of new rows (one that skipped
+        drafting for a while has many), they go packed (``runtime.ragged``): padding them to the longest would
+        compute every padding row, each row seeing its own cache and its own new rows causally."""
         head, device = self.head, steps[0].history.device
         rows = [self._new_rows(state, step) for state, step in zip(states, steps)]
-        batch, width = len(rows), max(count for _, count, _ in rows)
+        counts = [count for _, count, _ in rows]
+        batch, width = len(rows), max(counts)
         longest = max(done for done, _, _ in rows)
         own = states[0].cache.kv  # [L, 2, 1, Hkv, S, D]
         batched = KVCache(own.shape[0], batch, own.shape[3], own.shape[-1],
                           longest + width + self.depth * self.top_k, own.dtype, device)
         kv = batched.kv
-        tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
-        features = rows[0][2].new_zeros(batch, width, rows[0][2].shape[-1])
-        positions = torch.zeros(batch, width, dtype=torch.long, device=device)
         mask = torch.zeros(batch, 1, width, longest + width, dtype=torch.bool, device=device)
         new = torch.arange(width, device=device)
-        for b, ((done, count, feature), state, step) in enumerate(zip(rows, states, steps)):
+        for b, ((done, _, _), state) in enumerate(zip(rows, states)):
             kv[:, :, b, :, :done] = state.cache.kv[:, :, 0, :, :done]
-            tokens[b, :count] = step.history[done + 1: done + 1 + count]
-            features[b, :count] = feature
-            positions[b] = done + new.clamp(max=count - 1)
             mask[b, 0, :, :done] = True
             mask[b, 0, :, done: done + width] = new[None, :] <= new[:, None]
         batched.commit(torch.tensor([done for done, _, _ in rows], device=device))
-        hidden = head.hidden_states(tokens, features, positions, mask, batched)
+        positions = torch.cat([torch.arange(done, done + count, device=device) for done, count, _ in rows])
+        ragged = None if sum(counts) == batch * width else RaggedRows.from_counts(counts, positions)
+        shape = (1, sum(counts)) if ragged is not None else (batch, width)  # packed, or rows of equal counts
+        tokens = torch.cat([step.history[done + 1: done + 1 + count]
+                            for (done, count, _), step in zip(rows, steps)]).view(shape)
+        features = torch.cat([feature for _, _, feature in rows]).view(*shape, -1)
+        if ragged is None:
+            hidden = head.hidden_states(tokens, features, positions.view(shape), mask, batched)
+        else:  # the packed rows need the tree attention, which takes them
+            with tree_attention_for(head), batched.packed(ragged):
+                hidden = head.hidden_states(tokens, features, positions.view(shape), mask, batched, ragged=ragged)
         for b, ((done, count, _), state) in enumerate(zip(rows, states)):
             state.cache.kv[:, :, 0, :, done: done + count] = kv[:, :, b, :, done: done + count]
             state.cache.commit(count)
-        counts = torch.tensor([count for _, count, _ in rows], device=device)
-        batched.commit(counts)
-        return hidden[torch.arange(batch, device=device), counts - 1], batched
+        counted = torch.tensor(counts, device=device)
+        batched.commit(counted)
+        newest = torch.cumsum(counted, 0) - 1  # each generation's newest row in packed (or row-major) order
+        return hidden.reshape(-1, hidden.shape[-1])[newest], batched
 
     @torch.inference_mode()
     def propose(self, state: EagleState, step: ProposeInput) -> Tree:
