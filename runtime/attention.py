@@ -304,9 +304,14 @@ def use_tree_attention(module: torch.nn.Module) -> torch.nn.Module:
 @contextmanager
 def tree_attention_for(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """``use_tree_attention`` for the passes inside only, for a pass that needs what only the tree attention takes
-    (rows packed, ``runtime.ragged``); each layer's own setting comes back afterwards, so a module a user hands us is
-    not changed."""
-    stock = [(config, config._attn_implementation_internal) for config in _layer_configs(module)]
+    (rows packed, ``runtime.ragged``); each config's own setting comes back afterwards (sub-configs included, which
+    the setter writes too), so a module a user hands us is not changed."""
+    configs = _layer_configs(module)
+    if not configs:
+        raise ValueError(f"{type(module).__name__} has no layer whose config chooses its attention, so its passes "
+                         f"cannot take the tree attention; build its layers from a transformers config")
+    stock = [(config, config._attn_implementation_internal)
+             for top in configs for config in config_tree(top)]
     use_tree_attention(module)
     try:
         yield module
@@ -323,6 +328,17 @@ def _layer_configs(module: torch.nn.Module) -> list:
         if config is not None and hasattr(config, "_attn_implementation_internal"):
             found.setdefault(id(config), config)
     return list(found.values())
+
+
+def config_tree(config) -> list:
+    """``config`` and its sub-configs, recursively (a composite model's text and vision parts): the attention
+    setter writes one value into all of them, so restoring a setting means restoring each."""
+    found = [config]
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "_attn_implementation_internal"):
+            found += config_tree(sub)
+    return found
 
 
 def register_with_transformers() -> str:

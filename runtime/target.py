@@ -38,16 +38,6 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def _configs(config) -> list:
-    """``config`` and its sub-configs, recursively (a composite model's text and vision parts)."""
-    found = [config]
-    for key in getattr(config, "sub_configs", {}) or {}:
-        sub = getattr(config, key, None)
-        if sub is not None and hasattr(sub, "_attn_implementation_internal"):
-            found += _configs(sub)
-    return found
-
-
 # families whose sliding window reaches attention only through transformers' own per-layer masks (the attention
 # call never receives it), which a runtime's own tree mask replaces
 MASK_ONLY_WINDOWS = ("qwen2_moe", "phimoe")
@@ -130,7 +120,7 @@ class Target:
         """Tree attention and decode layers for one pass; the model's own settings come back afterwards."""
         # each config's own setting: the setter writes one value down into every sub-config, which would flatten
         # a composite model's per-part choices (eager for a text part, sdpa for a vision part) when restored
-        stock = [(config, config._attn_implementation_internal) for config in _configs(self.config)]
+        stock = [(config, config._attn_implementation_internal) for config in attention.config_tree(self.config)]
         self.config._attn_implementation = self._tree_attention
         try:
             if self._decode_layers is None:

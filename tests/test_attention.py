@@ -179,3 +179,52 @@ def test_a_head_under_tree_attention_drafts_through_the_decode_kernel_as_under_s
                                               mask, cache).float()
     assert calls == [1]  # the tree head's 4-row pass; its 20-row prefill and the stock head stay on SDPA
     torch.testing.assert_close(out["tree"], out["sdpa"], atol=0.05, rtol=0.05)
+
+
+def test_a_stock_head_reads_packed_rows_through_the_decode_kernel_for_that_pass_alone(monkeypatch):
+    """``tree_attention_for`` switches a head the runtime did not load to the tree attention for one pass: in bf16
+    its packed rows (different counts of new rows per row, ``runtime.ragged``) go through the decode kernel at once
+    and give each row what its own pass gives under SDPA; the head's setting comes back afterwards, and a module
+    whose layers have no config to switch is refused."""
+    from heads.common import frozen_target_weights
+    from heads.eagle3 import Eagle3Config, Eagle3Head
+    from runtime import attention
+    from runtime.kv_cache import KVCache
+    from runtime.ragged import RaggedRows
+
+    calls = counted_decode_kernel(monkeypatch)
+    model = tiny_model("llama", vocab_size=64, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config(feature_layers=[0, 1, 1]), model.config)
+    head.attach_target_weights(*frozen_target_weights(model))
+    head = head.eval().bfloat16()
+    done, counts = [7, 12, 3], [4, 1, 3]  # rows already cached, new rows per row
+    width = max(counts)
+    tokens = [torch.randint(0, 64, (d + c,)) for d, c in zip(done, counts)]
+    features = [torch.randn(d + c, head.feature_size, dtype=torch.bfloat16) for d, c in zip(done, counts)]
+    alone, cached = [], KVCache(1, 3, 1, 64, max(done) + width, torch.bfloat16, "cpu")
+    with torch.inference_mode():
+        for b, (d, c) in enumerate(zip(done, counts)):
+            cache = KVCache(1, 1, 1, 64, d + c, torch.bfloat16, "cpu")
+            positions = torch.arange(d + c)[None]
+            hidden = head.hidden_states(tokens[b][None], features[b][None], positions, None, cache)
+            alone.append(hidden[0, d:].float())
+            cached.kv[:, :, b, :, :d] = cache.kv[:, :, 0, :, :d]
+        cached.commit(torch.tensor(done))
+        mask = torch.zeros(3, 1, width, max(done) + width, dtype=torch.bool)
+        new = torch.arange(width)
+        for b, d in enumerate(done):
+            mask[b, 0, :, :d] = True
+            mask[b, 0, :, d:d + width] = new[None, :] <= new[:, None]
+        positions = torch.cat([torch.arange(d, d + c) for d, c in zip(done, counts)])
+        ragged = RaggedRows.from_counts(counts, positions)
+        with attention.tree_attention_for(head), cached.packed(ragged):
+            packed = head.hidden_states(torch.cat([t[d:] for t, d in zip(tokens, done)])[None],
+                                        torch.cat([f[d:] for f, d in zip(features, done)])[None], positions[None],
+                                        mask, cached, ragged=ragged)
+    assert calls == [1]  # one kernel call for the three rows' packed tokens
+    assert head.layer_config._attn_implementation == "sdpa"
+    torch.testing.assert_close(packed[0].float(), torch.cat(alone), atol=0.05, rtol=0.05)
+    with pytest.raises(ValueError, match="no layer whose config"):
+        with attention.tree_attention_for(torch.nn.Linear(2, 2)):
+            pass

@@ -21,12 +21,12 @@ from tests.test_greedy_equality import PROMPTS, hf_greedy
 VOCAB = 64
 
 
-def eagle_head(target, head_type, seed=0, draft_vocab=0):
+def eagle_head(target, head_type, seed=0, draft_vocab=0, layers=1):
     torch.manual_seed(seed)
     if head_type == "eagle3":
         head = Eagle3Head(Eagle3Config(draft_vocab_size=draft_vocab), target.config)
     else:
-        head = EagleHead(EagleConfig(), target.config)
+        head = EagleHead(EagleConfig(num_layers=layers), target.config)
     head.attach_target_weights(*frozen_target_weights(target.model))
     if head_type == "eagle3" and draft_vocab:
         # a reduced vocabulary: every other target id
@@ -219,7 +219,8 @@ def test_lookup_first_drafts_by_lookup_where_the_text_repeats_and_by_the_head_el
     assert tree.size > 1
 
 
-@pytest.mark.parametrize("name", ["eagle", "eagle3", "eagle3-draft-vocab", "eagle3+ngram", "medusa", "medusa+ngram"])
+@pytest.mark.parametrize("name", ["eagle", "eagle-2-layers", "eagle3", "eagle3-draft-vocab", "eagle3+ngram", "medusa",
+                                  "medusa+ngram"])
 def test_heads_draft_for_several_rows_together_as_each_alone(name):
     """propose_rows reads every row's new verified rows in one head pass (ragged: different histories, different
     rows already in the head's cache, different counts of new rows) and drafts the trees and head caches each row
@@ -227,7 +228,8 @@ def test_heads_draft_for_several_rows_together_as_each_alone(name):
     from runtime.proposers.base import ProposeInput
 
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
-    proposer = head_proposers(target)[name]
+    proposer = (EagleProposer(eagle_head(target, "eagle", layers=2), target, depth=4, top_k=3)
+                if name == "eagle-2-layers" else head_proposers(target)[name])
     sampling = SamplingParams(temperature=0.0)
     generator = torch.Generator().manual_seed(3)
     histories = [torch.randint(0, VOCAB, (length,), generator=generator).tolist() for length in (9, 14, 6)]
@@ -248,8 +250,9 @@ def test_heads_draft_for_several_rows_together_as_each_alone(name):
             states.append(state)
         return states
 
+    alone_states = prepared()
     alone = [proposer.propose(state, step(history, first))
-             for state, history, first in zip(prepared(), histories, read_first)]
+             for state, history, first in zip(alone_states, histories, read_first)]
     states = prepared()
     eagle = proposer if isinstance(proposer, EagleProposer) else getattr(proposer, "head", None)
     passes = []
@@ -269,6 +272,12 @@ def test_heads_draft_for_several_rows_together_as_each_alone(name):
     for one, both in zip(alone, together):
         assert torch.equal(one.tokens, both.tokens) and torch.equal(one.parents, both.parents)
     assert any(tree.size > 1 for tree in together)
+    for one, both in zip(alone_states, states):  # each head cache holds what the row's own reads wrote
+        one, both = getattr(one, "head", one), getattr(both, "head", both)
+        if hasattr(one, "cache"):
+            length = one.cache.max_committed
+            assert both.cache.max_committed == length
+            torch.testing.assert_close(both.cache.kv[..., :length, :], one.cache.kv[..., :length, :])
     if isinstance(eagle, EagleProposer):
         del eagle.head.hidden_states
         assert eagle.head.layer_config._attn_implementation == stock  # the packed pass does not change the head

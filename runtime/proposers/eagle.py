@@ -89,11 +89,11 @@ class EagleProposer:
         """``_read_verified_rows`` for several generations in one head pass: ([B, H], row b the head's output for
         generation b's newest row; the batch cache, row b holding generation b's rows, with room for its trees).
 
-        Each generation's cache is copied into one ragged batch cache (the head has one layer, so that is a small
-        copy), the new rows of every generation go through the head together, and each generation's new entries are
-        copied back into its own cache. Where generations have different counts of new rows (one that skipped
-        drafting for a while has many), they go packed (``runtime.ragged``): padding them to the longest would
-        compute every padding row, each row seeing its own cache and its own new rows causally."""
+        Each generation's cache is copied into one ragged batch cache (a head has a layer or a few, so that is a
+        small copy), the new rows of every generation go through the head together, and each generation's new
+        entries are copied back into its own cache. Where generations have different counts of new rows (one that
+        skipped drafting for a while has many), they go packed (``runtime.ragged``) rather than padded to the
+        longest, which would compute every padding row; each row sees its own cache and its own new rows causally."""
         head, device = self.head, steps[0].history.device
         rows = [self._new_rows(state, step) for state, step in zip(states, steps)]
         counts = [count for _, count, _ in rows]
