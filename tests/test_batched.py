@@ -10,6 +10,7 @@ from runtime.attention import sliding_window_mask
 from runtime.batched import BatchedDecoder
 from runtime.decoder import SpeculativeDecoder
 from runtime.proposers.draft_model import DraftModelProposer
+from runtime.proposers.eagle import EagleProposer
 from runtime.proposers.ngram import NgramProposer
 from runtime.sampling import SamplingParams
 from runtime.target import target_from_model
@@ -20,7 +21,7 @@ from tests import test_sampling_distribution as sampling
 from tests.conftest import tiny_model
 from tests.proposers_for_tests import BadProposer
 from tests.test_greedy_equality import lookahead_proposers, proposers
-from tests.test_head_proposers import head_proposers
+from tests.test_head_proposers import eagle_head, head_proposers
 
 VOCAB = 64
 NEW_TOKENS = 16
@@ -115,7 +116,7 @@ def test_rows_given_no_node_skip_their_proposer_and_catch_up(monkeypatch):
 
     target = target_for("llama")
     references = [hf_greedy("llama", prompt) for prompt in PROMPTS]
-    head = head_proposers(target)["eagle3"]
+    head = EagleProposer(eagle_head(target, "eagle3").to("cuda"), target, depth=4, top_k=3)
     calls = []
 
     class Counting(Wrapping):
@@ -148,7 +149,7 @@ def test_a_heads_call_after_skipped_passes_is_not_taken_as_its_price(monkeypatch
     import runtime.batched
 
     target = target_for("llama")
-    head = head_proposers(target)["eagle3"]
+    head = EagleProposer(eagle_head(target, "eagle3").to("cuda"), target, depth=4, top_k=3)
     calls, measured = [], []
     last_drafted: dict[int, int] = {}  # id(state) -> the pass it last drafted in
 
@@ -514,9 +515,11 @@ def test_cache_row_views_and_dropping_rows():
 @pytest.mark.parametrize("backend", ["sdpa", "flex", "cascade"])
 def test_gpu_batched_greedy_equality(backend):
     """On CUDA in fp32 each row equals that prompt decoded alone (tests/test_greedy_equality.py checks the
-    single-prompt decoder against HF generate there)."""
+    single-prompt decoder against HF generate there), an EAGLE-3 head's first read of prompts of different lengths
+    packed included."""
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB).to("cuda"), identity="tiny")
-    for proposer in (None, NgramProposer(), DraftModelProposer(target, target, "tree", depth=4, top_k=3)):
+    head = EagleProposer(eagle_head(target, "eagle3").to("cuda"), target, depth=4, top_k=3)
+    for proposer in (None, NgramProposer(), DraftModelProposer(target, target, "tree", depth=4, top_k=3), head):
         single = SpeculativeDecoder(target, proposer, tree_size=8, attention=backend)
         references = [single.generate(prompt, NEW_TOKENS).tokens for prompt in PROMPTS]
         results = BatchedDecoder(target, proposer, tree_size=8, attention=backend).generate(PROMPTS, NEW_TOKENS,
