@@ -144,22 +144,28 @@ def test_cuda_backends_match_sdpa(dtype):
 
 
 
+def bf16_eagle3_head():
+    """(a tiny llama target of head size 64, a bf16 EAGLE-3 head on it with stock SDPA attention)."""
+    from heads.common import frozen_target_weights
+    from heads.eagle3 import Eagle3Config, Eagle3Head
+
+    model = tiny_model("llama", vocab_size=64, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config(feature_layers=[0, 1, 1]), model.config)
+    head.attach_target_weights(*frozen_target_weights(model))
+    return model, head.eval().bfloat16()
+
+
 def test_a_head_under_tree_attention_drafts_through_the_decode_kernel_as_under_sdpa(monkeypatch):
     """``use_tree_attention`` points a runtime-owned head's layers at the tree attention: in bf16 its batched
     drafting passes take the decode kernel, with SDPA's outputs; the stock head, and the target, stay on SDPA."""
     import copy
 
-    from heads.eagle3 import Eagle3Config, Eagle3Head
-    from heads.common import frozen_target_weights
     from runtime import attention
     from runtime.kv_cache import KVCache
 
     calls = counted_decode_kernel(monkeypatch)
-    model = tiny_model("llama", vocab_size=64, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
-    torch.manual_seed(0)
-    head = Eagle3Head(Eagle3Config(feature_layers=[0, 1, 1]), model.config)
-    head.attach_target_weights(*frozen_target_weights(model))
-    head = head.eval().bfloat16()
+    model, head = bf16_eagle3_head()
     tree_head = attention.use_tree_attention(copy.deepcopy(head))
     assert head.layer_config._attn_implementation == "sdpa" and model.config._attn_implementation != "headstart_tree"
     batch, context, new = 3, 20, 4
@@ -186,18 +192,12 @@ def test_a_stock_head_reads_packed_rows_through_the_decode_kernel_for_that_pass_
     its packed rows (different counts of new rows per row, ``runtime.ragged``) go through the decode kernel at once
     and give each row what its own pass gives under SDPA; the head's setting comes back afterwards, and a module
     whose layers have no config to switch is refused."""
-    from heads.common import frozen_target_weights
-    from heads.eagle3 import Eagle3Config, Eagle3Head
     from runtime import attention
     from runtime.kv_cache import KVCache
     from runtime.ragged import RaggedRows
 
     calls = counted_decode_kernel(monkeypatch)
-    model = tiny_model("llama", vocab_size=64, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
-    torch.manual_seed(0)
-    head = Eagle3Head(Eagle3Config(feature_layers=[0, 1, 1]), model.config)
-    head.attach_target_weights(*frozen_target_weights(model))
-    head = head.eval().bfloat16()
+    model, head = bf16_eagle3_head()
     done, counts = [7, 12, 3], [4, 1, 3]  # rows already cached, new rows per row
     width = max(counts)
     tokens = [torch.randint(0, 64, (d + c,)) for d, c in zip(done, counts)]

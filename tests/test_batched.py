@@ -116,7 +116,7 @@ def test_rows_given_no_node_skip_their_proposer_and_catch_up(monkeypatch):
 
     target = target_for("llama")
     references = [hf_greedy("llama", prompt) for prompt in PROMPTS]
-    head = EagleProposer(eagle_head(target, "eagle3").to("cuda"), target, depth=4, top_k=3)
+    head = head_proposers(target)["eagle3"]
     calls = []
 
     class Counting(Wrapping):
@@ -149,7 +149,7 @@ def test_a_heads_call_after_skipped_passes_is_not_taken_as_its_price(monkeypatch
     import runtime.batched
 
     target = target_for("llama")
-    head = EagleProposer(eagle_head(target, "eagle3").to("cuda"), target, depth=4, top_k=3)
+    head = head_proposers(target)["eagle3"]
     calls, measured = [], []
     last_drafted: dict[int, int] = {}  # id(state) -> the pass it last drafted in
 
