@@ -304,17 +304,25 @@ def use_tree_attention(module: torch.nn.Module) -> torch.nn.Module:
 @contextmanager
 def tree_attention_for(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """``use_tree_attention`` for the passes inside only, for a pass that needs what only the tree attention takes
-    (rows packed, ``runtime.ragged``); each config's own setting comes back afterwards (sub-configs included, which
-    the setter writes too), so a module a user hands us is not changed."""
+    (rows packed, ``runtime.ragged``), so a module a user hands us is not changed (``attention_set_to``)."""
     configs = _layer_configs(module)
     if not configs:
         raise ValueError(f"{type(module).__name__} has no layer whose config chooses its attention, so its passes "
                          f"cannot take the tree attention; build its layers from a transformers config")
-    stock = [(config, config._attn_implementation_internal)
-             for top in configs for config in config_tree(top)]
-    use_tree_attention(module)
-    try:
+    with attention_set_to(register_with_transformers(), configs):
         yield module
+
+
+@contextmanager
+def attention_set_to(name: str, configs: list) -> Iterator[None]:
+    """``configs`` choose attention ``name`` for the passes inside; each config's own setting comes back afterwards,
+    sub-configs included: the setter writes one value down into every sub-config, which would flatten a composite
+    model's per-part choices (eager for a text part, sdpa for a vision part) when restored."""
+    stock = [(config, config._attn_implementation_internal) for top in configs for config in _config_tree(top)]
+    for config in configs:
+        config._attn_implementation = name
+    try:
+        yield
     finally:
         for config, setting in stock:
             config._attn_implementation_internal = setting
@@ -330,14 +338,13 @@ def _layer_configs(module: torch.nn.Module) -> list:
     return list(found.values())
 
 
-def config_tree(config) -> list:
-    """``config`` and its sub-configs, recursively (a composite model's text and vision parts): the attention
-    setter writes one value into all of them, so restoring a setting means restoring each."""
+def _config_tree(config) -> list:
+    """``config`` and its sub-configs, recursively (a composite model's text and vision parts)."""
     found = [config]
     for key in getattr(config, "sub_configs", {}) or {}:
         sub = getattr(config, key, None)
         if sub is not None and hasattr(sub, "_attn_implementation_internal"):
-            found += config_tree(sub)
+            found += _config_tree(sub)
     return found
 
 

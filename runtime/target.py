@@ -118,19 +118,12 @@ class Target:
     @contextmanager
     def _runtime_layers(self):
         """Tree attention and decode layers for one pass; the model's own settings come back afterwards."""
-        # each config's own setting: the setter writes one value down into every sub-config, which would flatten
-        # a composite model's per-part choices (eager for a text part, sdpa for a vision part) when restored
-        stock = [(config, config._attn_implementation_internal) for config in attention.config_tree(self.config)]
-        self.config._attn_implementation = self._tree_attention
-        try:
+        with attention.attention_set_to(self._tree_attention, [self.config]):
             if self._decode_layers is None:
                 yield
             else:
                 with self._decode_layers.active():
                     yield
-        finally:
-            for config, setting in stock:
-                config._attn_implementation_internal = setting
 
     @property
     def device(self) -> torch.device:

@@ -15,8 +15,8 @@ import torch
 from runtime.attention import tree_attention_for
 from runtime.kv_cache import KVCache
 from runtime.proposers.base import ProposeInput
-from runtime.ragged import RaggedRows
 from runtime.proposers.dynamic import Frontier, build_dynamic_tree, build_dynamic_trees, expand_dynamic_tree
+from runtime.ragged import RaggedRows
 from runtime.tree import Tree
 
 
