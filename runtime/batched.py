@@ -79,7 +79,7 @@ from runtime.ragged import RaggedRows
 from runtime.monitor import monitor_for
 from runtime.proposers.base import (NoProposer, Proposer, ProposeInput, draft_key, draft_source, drafters,
                                     drafts_with_a_model, extra_rows, observe, propose_rows, sizes_own_tree,
-                                    unread_rows)
+                                    start_generation, unread_rows)
 from runtime.sampling import SamplingParams, greedy_tokens, new_generator
 from runtime.target import Target
 from runtime.tree import Draft, Tree
@@ -535,7 +535,8 @@ class BatchedDecoder:
             row_max = length + max_new_tokens + self.tree_size + 1
             history = torch.empty(row_max, dtype=torch.long, device=device)
             history[:length] = prompts[i]
-            row = _Row(i, history, length, proposer.start(prompts[i], row_max), generator,
+            state = start_generation(proposer, prompts[i], row_max, sampling)
+            row = _Row(i, history, length, state, generator,
                        GenerationResult([], [], 1, 0.0, "length"), started)
             if self.allocation is not None:
                 row.acceptance = {}

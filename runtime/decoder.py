@@ -14,7 +14,7 @@ from runtime.attention import BACKENDS, default_backend
 from runtime.cost_model import adaptive_sizers, batch_tree_size, synchronized_seconds
 from runtime.monitor import monitor_for
 from runtime.proposers.base import (NoProposer, Proposer, ProposeInput, draft_source, drafters, extra_rows, observe,
-                                    sizes_own_tree)
+                                    sizes_own_tree, start_generation)
 from runtime.sampling import SamplingParams, greedy_tokens, new_generator, processed_probs, sample
 from runtime.target import Target
 from runtime.tree import Draft, Tree, verification_mask
@@ -238,7 +238,7 @@ class SpeculativeDecoder:
             first = pick_token(out.logits[0, -1], sampling, generator)
             result = GenerationResult([], [], 1, 0.0, "length")
             length = prompt_len
-            state = proposer.start(prompt, max_length)
+            state = start_generation(proposer, prompt, max_length, sampling)
             new_hidden = out.hidden[0] if proposer.needs_hidden else None
             new_layer_hidden = tuple(h[0] for h in out.layer_hidden)
             pending = [first]

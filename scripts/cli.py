@@ -3,7 +3,7 @@
 Proposers (``--proposer``, and ``--methods`` of the benchmark): ``none``, ``ngram``, ``draft`` (with
 ``--draft-model``), a head ``medusa`` / ``eagle`` / ``eagle3``, ``HEAD+ngram`` (prompt lookup first), and
 ``HEAD:DIR`` / ``HEAD+ngram:DIR`` for a head directory, ``lookahead`` / ``lookahead+ngram`` (prompt lookup first,
-lookahead elsewhere), with ``:W,N,G`` for its sizes -> ``runtime.proposers.ProposerSpec``.
+lookahead elsewhere), with ``:W,N,G[,R[,C]]`` for its sizes -> ``runtime.proposers.ProposerSpec``.
 
 Benchmark methods (``--methods``): a proposer as above, optionally ``@N`` (its verified tree size); the peer
 decoders ``economize-eagle3[:DIR]``, ``economize-medusa[:DIR]``, ``flashspec-ngram`` (``runtime.peers``; ``@N``:
@@ -127,20 +127,25 @@ def read_prompts_or_exit(path: str | None, limit: int | None = None, flag: str =
 
 
 def parse_lookahead(text: str, *, head: str | None = None, flag: str = "--proposer") -> ProposerSpec:
-    """``lookahead``, ``lookahead+ngram``, either with ``:W,N,G`` or ``:W,N,G,R`` (e.g. ``lookahead+ngram:8,3,8`` or
-    ``lookahead:2,3,2,6``; R, the recycled nodes, is 0 when left out; without sizes they come from the target's cost
-    curve) as a ProposerSpec."""
+    """``lookahead``, ``lookahead+ngram``, either with ``:W,N,G``, ``:W,N,G,R`` or ``:W,N,G,R,C`` (e.g.
+    ``lookahead+ngram:8,3,8`` or ``lookahead:2,3,2,6``; R, the recycled nodes, is 0 when left out; C is 1 (the
+    default) to carry the recycled successors from one generation to the next, 0 to start each generation without
+    them; without sizes they come from the target's cost curve) as a ProposerSpec."""
     name, colon, given = text.partition(":")
     if head is not None:
         raise usage_error(flag, f"{name} drafts without a head; drop --head")
     settings = None
     if colon:
-        parts = given.split(",")
-        if len(parts) not in (3, 4) or not all(part.strip().isdigit() for part in parts):
-            raise usage_error(flag, f"{text!r}: give lookahead's sizes as {name}:W,N,G or {name}:W,N,G,R (window, "
-                                    f"n-gram size, candidates, recycled nodes; integers), e.g. {name}:8,3,8")
+        parts = [part.strip() for part in given.split(",")]
+        valid = len(parts) in (3, 4, 5) and all(part.isdigit() for part in parts) and parts[4:] in ([], ["0"], ["1"])
+        if not valid:
+            raise usage_error(flag, f"{text!r}: give lookahead's sizes as {name}:W,N,G, {name}:W,N,G,R or "
+                                    f"{name}:W,N,G,R,C (window, n-gram size, candidates, recycled nodes: integers; "
+                                    f"C 1 to carry recycled successors across generations, 0 not to), e.g. "
+                                    f"{name}:8,3,8")
+        sizes = [int(part) for part in parts]
         try:
-            settings = LookaheadSettings(*(int(part) for part in parts))
+            settings = LookaheadSettings(*sizes[:4], *(bool(c) for c in sizes[4:]))
         except ValueError as error:
             raise usage_error(flag, f"{text!r}: {error}") from None
     return ProposerSpec(LOOKAHEAD, lookup_first=name.endswith(LOOKUP_FIRST), lookahead=settings)

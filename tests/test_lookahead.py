@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runtime.decoder import SpeculativeDecoder
-from runtime.proposers.base import ProposeInput
+from runtime.proposers.base import ProposeInput, start_generation
 from runtime.proposers import ProposerSpec, build_proposer
 from runtime.proposers.lookahead import (LookaheadProposer, NgramPool, SuccessorTable, choose_settings,
                                          expected_tokens, jacobi_update, pass_rows, record_successors, window_mask,
@@ -144,6 +144,63 @@ def test_recycled_nodes_fill_what_the_pool_leaves_and_stay_exact():
     assert len(state.successors) == 0
 
 
+def test_recycled_successors_carry_from_one_generation_to_the_next():
+    """By default a proposer's generations share one successor table: a second prompt's first draft already holds
+    what the first generation's passes computed, and both outputs stay the target's. With carry off each generation
+    starts empty; a table given to two proposers is shared."""
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    first, second = [9, 4, 9, 4, 9, 4, 9, 4, 9, 4], [7, 9, 46]  # the first reply holds 46
+    proposer = LookaheadProposer(LookaheadSettings(1, 3, 1, 4))
+    decoder = SpeculativeDecoder(target, proposer)
+    reply = decoder.generate(first, 24).tokens
+    assert reply == hf_greedy(first, 24) and 46 in reply
+    recorded = len(proposer.successors)
+    assert recorded > 0
+    state = proposer.start(torch.tensor(second), 40)
+    assert state.successors is proposer.successors
+    step = ProposeInput(torch.tensor(second), None, (), proposer.tree_size, SamplingParams(), None)
+    assert proposer.propose(state, step).tree.size > 1  # drafted from the first generation's passes
+    assert decoder.generate(second, 24).tokens == hf_greedy(second, 24)
+    assert len(proposer.successors) >= recorded
+    # a sampled generation keeps its own table, alone and behind lookup, so its seed alone decides what it draws
+    for sampled in (proposer, LookupFirstProposer(proposer, NgramProposer())):
+        state = start_generation(sampled, torch.tensor(second), 40, SamplingParams(temperature=1.0))
+        own = getattr(state, "head", state).successors
+        assert own is not proposer.successors and len(own) == 0
+        greedy = start_generation(sampled, torch.tensor(second), 40, SamplingParams())
+        assert getattr(greedy, "head", greedy).successors is proposer.successors
+
+    fresh = LookaheadProposer(LookaheadSettings(1, 3, 1, 4, carry=False))
+    assert fresh.successors is None and "successors per generation" in str(fresh.settings)
+    SpeculativeDecoder(target, fresh).generate(first, 24)
+    state = fresh.start(torch.tensor(second), 40)
+    assert len(state.successors) == 0
+    assert fresh.propose(state, step).tree.size == 1  # nothing recorded in this generation yet
+
+    table = SuccessorTable()
+    a, b = (LookaheadProposer(LookaheadSettings(1, 3, 1, 4), successors=table) for _ in range(2))
+    assert a.successors is table and b.successors is table  # an empty table given is used, not replaced
+    with pytest.raises(ValueError, match="carry"):
+        LookaheadProposer(LookaheadSettings(1, 3, 1, 4, carry=False), successors=table)
+    with pytest.raises(ValueError, match="carry must be True or False"):
+        LookaheadSettings(1, 3, 1, 4, carry=1)
+
+
+def test_successor_table_drops_the_least_recently_recorded_pairs():
+    table = SuccessorTable(pair_capacity=2)
+    top, probs = [[1, 2]], [[0.6, 0.3]]
+    table.record([5], [6], top, probs)
+    table.record([6], [7], top, probs)
+    table.record([5], [6], [[3, 4]], probs)  # recorded again: now the newest
+    table.record([7], [8], top, probs)  # over capacity: (6, 7) goes
+    assert list(table.after_pair) == [(5, 6), (7, 8)]
+    assert table.successors(5, 6) == (3, 4)
+    assert table.successors(6, 7) == (1, 2)  # the pair is gone; the token's own entry remains
+    assert len(table) == 3
+    with pytest.raises(ValueError, match="pair_capacity"):
+        SuccessorTable(pair_capacity=0)
+
+
 def test_candidate_trie_shares_prefixes_and_keeps_the_size():
     tree = Tree.from_sequences(7, [(1, 2), (1, 3), (4, 5)], max_nodes=10)
     assert tree.tokens.tolist() == [7, 1, 2, 3, 4, 5]
@@ -239,6 +296,8 @@ def test_settings_are_checked():
     spec = ProposerSpec("lookahead", lookup_first=True, lookahead=(4, 3, 5))
     assert spec.lookahead == LookaheadSettings(4, 3, 5) and spec.label == "lookahead+ngram"
     assert ProposerSpec(**asdict(spec)) == spec  # as the benchmark reads a spec back from its results
+    fresh = ProposerSpec("lookahead", lookahead=(1, 3, 1, 5, False))
+    assert fresh.lookahead == LookaheadSettings(1, 3, 1, 5, carry=False) and ProposerSpec(**asdict(fresh)) == fresh
 
 
 def test_build_proposer_spells_lookahead_and_lookahead_with_lookup():
@@ -337,7 +396,10 @@ def test_command_line_spellings():
         ("proposer", "lookahead+ngram:8,3,6", spec(lookup_first=True, lookahead=(8, 3, 6))),
         ("proposer", "lookahead:8,3", "give lookahead's sizes as lookahead:W,N,G"),
         ("proposer", "lookahead:2,3,2,6", spec(lookahead=(2, 3, 2, 6))),
-        ("proposer", "lookahead:2,3,2,6,1", "lookahead:W,N,G,R"),
+        ("proposer", "lookahead:2,3,2,6,0", spec(lookahead=(2, 3, 2, 6, False))),
+        ("proposer", "lookahead:2,3,2,6,1", spec(lookahead=(2, 3, 2, 6))),
+        ("proposer", "lookahead:2,3,2,6,2", "lookahead:W,N,G,R,C"),
+        ("proposer", "lookahead:2,3,2,6,1,1", "lookahead:W,N,G,R,C"),
         ("proposer", "lookahead:8,2,8", "ngram must be >= 3"),
         ("methods", "hf-greedy,lookahead:4,3,4@9,lookahead+ngram,ngram",
          {"lookahead:4,3,4@9": {**spec(lookahead=(4, 3, 4)), "tree_size": 9},

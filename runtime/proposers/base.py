@@ -1,7 +1,10 @@
 """The proposer interface: build a candidate tree from the current state; learn what was accepted.
 
-A proposer object holds configuration only. Everything that belongs to one generation (a draft cache, the
-position up to which features were consumed) lives in the state object returned by ``start`` and passed back in.
+A proposer object holds configuration. Everything that belongs to one generation (a draft cache, the position up
+to which features were consumed) lives in the state object returned by ``start`` and passed back in. The one
+exception is memory meant to outlive a generation (lookahead's carried successors): a proposer that keeps it sets
+``carries_memory`` and takes ``sampling`` in ``start`` (``start_generation``), so that only greedy generations use
+it; a sampled generation then draws what its prompt and seed give, whatever the proposer decoded before.
 
 A proposal is a ``Tree``, or a ``Draft``: a tree plus extra rows the verification pass computes after the tree's
 nodes, whose logits come back in the next ``ProposeInput`` (lookahead decoding's Jacobi window rides in the pass
@@ -76,6 +79,14 @@ def unread_rows(proposer, state: Any, history: torch.Tensor) -> int | None:
     call, so that call costs more than a call in a run of drafting passes."""
     count = getattr(proposer, "unread_rows", None)
     return None if count is None else count(state, history)
+
+
+def start_generation(proposer, prompt: torch.Tensor, max_length: int, sampling: SamplingParams) -> Any:
+    """``proposer.start(prompt, max_length)``, with ``sampling`` for a proposer that ``carries_memory`` across
+    generations."""
+    if getattr(proposer, "carries_memory", False):
+        return proposer.start(prompt, max_length, sampling=sampling)
+    return proposer.start(prompt, max_length)
 
 
 def extra_rows(proposer) -> int:

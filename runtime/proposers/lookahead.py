@@ -32,6 +32,15 @@ the root's likeliest successors, theirs, and so on. The table is a deterministic
 the history and the earlier passes' logits, like the pool, so the exact acceptance keeps the output the target's.
 On a CPU, where each extra row costs, recycled nodes are right far more often than the window's n-grams for the
 same rows (scripts/results/README.md, "Recycled successors"), and the cost curve gives them most of the pass.
+
+The table outlives a generation (``LookaheadSettings.carry``, on by default), as Token Recycling's adjacency matrix
+is inherited from the previous query: it lives on the proposer, every generation's state holds the same table, and
+a target's replies share enough phrasing that a warm table gives a root successors where a fresh one has seen the
+token nowhere yet. Greedy generations alone read and record it: the output is the target's argmax whatever is
+drafted, while a sampled output depends on the draft through the random draws it consumes, so a sampled generation
+keeps a table of its own and a seed draws what it draws alone (exactness needs only that a draft not depend on the
+current step's draws; reproducibility needs more). The table is bounded: ``PAIR_CAPACITY`` pairs, the least
+recently recorded dropped first, and single tokens by the vocabulary.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ import torch
 
 from runtime.proposers.base import ProposeInput
 from runtime.proposers.spec import LookaheadSettings
-from runtime.sampling import greedy_tokens
+from runtime.sampling import SamplingParams, greedy_tokens
 from runtime.tree import Draft, Tree
 from runtime.tree_sizing import interpolated_cost
 
@@ -62,6 +71,7 @@ MAX_WINDOW = 16
 # accepted tokens a pass. Fitted like HIT_SCALE, with scripts/benchmark.py's `lookahead` (tokens per pass 1.76 at
 # W = 1, N = 3, G = 1, R = 7 on every 8th MT-bench first turn, bf16).
 SUCCESSORS = 8
+PAIR_CAPACITY = 1 << 16  # a bound for long-running servers: about 1 KB of Python objects per entry
 RECYCLE_SCALE = 0.23
 RECYCLED_SIZES = (0, 1, 2, 3, 5, 7, 11, 15)
 
@@ -139,18 +149,26 @@ class SuccessorTable:
     """The target's top-k next tokens after a token, and after a pair of tokens, with their probabilities, as the
     latest verification pass computed them (at a tree node holding that token, after its parent's token)."""
 
-    def __init__(self):
+    def __init__(self, pair_capacity: int = PAIR_CAPACITY):
+        if pair_capacity < 1:
+            raise ValueError(f"SuccessorTable pair_capacity must be >= 1, got {pair_capacity}")
+        self.pair_capacity = pair_capacity
         self.after_token: dict[int, tuple[tuple[int, float], ...]] = {}
+        # in the order last recorded (a dict keeps insertion order), so the oldest pair is the first
         self.after_pair: dict[tuple[int, int], tuple[tuple[int, float], ...]] = {}
 
     def record(self, before: list[int], tokens: list[int], successors: list[list[int]],
                probs: list[list[float]]) -> None:
         """Each node's token, the token before it, its top-k successors (best first) and the target's probabilities
         for them, in order: a later node overwrites an earlier one's entry."""
+        pairs = self.after_pair
         for previous, token, top, chance in zip(before, tokens, successors, probs):
             entry = tuple(zip(top, chance))
             self.after_token[token] = entry
-            self.after_pair[(previous, token)] = entry
+            pairs.pop((previous, token), None)
+            pairs[(previous, token)] = entry
+        while len(pairs) > self.pair_capacity:
+            del pairs[next(iter(pairs))]
 
     def entry(self, previous: int, token: int) -> tuple[tuple[int, float], ...]:
         """(successor, probability) pairs recorded after the pair (``previous``, ``token``), else after ``token``
@@ -250,7 +268,8 @@ class LookaheadState:
 
 
 class LookaheadProposer:
-    """Lookahead decoding with ``settings`` (W, N, G).
+    """Lookahead decoding with ``settings`` (W, N, G, R), recycling into ``successors`` (default: a table of its own
+    when ``settings.carry``, kept across its generations).
 
     Its trees are as wide as G candidates side by side, which adaptive sizing (a chain model) would shrink to one
     candidate: the decoder verifies trees of its own ``tree_size`` (1 + G (N - 1), ``own_tree_size``) unless given
@@ -262,10 +281,19 @@ class LookaheadProposer:
 
     name = "lookahead"
 
-    def __init__(self, settings: LookaheadSettings, reason: str | None = None):
+    def __init__(self, settings: LookaheadSettings, reason: str | None = None,
+                 successors: SuccessorTable | None = None):
         if not isinstance(settings, LookaheadSettings):
             raise TypeError(f"LookaheadProposer takes LookaheadSettings, not {type(settings).__name__}")
+        if successors is not None and not settings.carry:
+            raise ValueError("a SuccessorTable to carry across generations was given with LookaheadSettings.carry "
+                             "False; give settings with carry=True, or no table")
         self.settings = settings
+        # the recycled successors every greedy generation of this proposer reads and records (settings.carry), or
+        # None: each generation starts its own. A table given here may be shared with other proposers.
+        if successors is None and settings.carry and settings.recycled:
+            successors = SuccessorTable()
+        self.successors = successors
         self.extra_rows = settings.window_rows
         self.tree_size = settings.tree_size
         self.tree_size_reason = reason or f"{settings}"
@@ -284,14 +312,22 @@ class LookaheadProposer:
         chosen, why = choose_settings(cost_curve(target))
         return cls(chosen, reason=why)
 
-    def start(self, prompt: torch.Tensor, max_length: int) -> LookaheadState:
+    @property
+    def carries_memory(self) -> bool:
+        return self.successors is not None
+
+    def start(self, prompt: torch.Tensor, max_length: int, sampling: SamplingParams | None = None) -> LookaheadState:
+        """A generation's state; it records into the carried table (``successors``) unless ``sampling`` samples, in
+        which case it starts a table of its own (``runtime.proposers.base.start_generation``)."""
         s = self.settings
         # The window starts from prompt tokens drawn with a fixed seed (the reference draws them at random): a
         # rerun repeats every guess.
         generator = torch.Generator().manual_seed(0)
         picks = torch.randint(prompt.numel(), (s.ngram - 1, s.window), generator=generator)
         device = prompt.device
-        return LookaheadState(prompt[picks.to(device)], NgramPool(s.candidates), SuccessorTable(),
+        carried = self.successors is not None and (sampling is None or sampling.greedy)
+        successors = self.successors if carried else SuccessorTable()
+        return LookaheadState(prompt[picks.to(device)], NgramPool(s.candidates), successors,
                               window_offsets(s.window, s.ngram).to(device), window_mask(s.window, s.ngram).to(device))
 
     def propose(self, state: LookaheadState, step: ProposeInput) -> Draft:

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from runtime.proposers.base import (Proposer, ProposeInput, extra_rows, observe, propose_rows, sizes_own_tree,
-                                    unread_rows)
+                                    start_generation, unread_rows)
 from runtime.proposers.ngram import NgramProposer
+from runtime.sampling import SamplingParams
 from runtime.tree import Draft, Tree
 
 
@@ -90,8 +91,14 @@ class LookupFirstProposer:
         length, found = state.match
         return found if length == history.numel() else self.lookup.match_length(history)
 
-    def start(self, prompt: torch.Tensor, max_length: int) -> LookupFirstState:
-        return LookupFirstState(self.head.start(prompt, max_length))
+    @property
+    def carries_memory(self) -> bool:
+        return getattr(self.head, "carries_memory", False)
+
+    def start(self, prompt: torch.Tensor, max_length: int, sampling: SamplingParams | None = None) -> LookupFirstState:
+        if sampling is None:
+            return LookupFirstState(self.head.start(prompt, max_length))
+        return LookupFirstState(start_generation(self.head, prompt, max_length, sampling))
 
     def propose(self, state: LookupFirstState, step: ProposeInput) -> Tree | Draft:
         found = self._lookup(state, step)
