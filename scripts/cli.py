@@ -31,7 +31,7 @@ from runtime.proposers.spec import HEAD_PROPOSERS, LOOKUP_PROPOSERS, PROPOSER_NA
 
 LOOKUP_FIRST = "+ngram"  # "eagle3+ngram": prompt lookup where it finds a match, the head elsewhere
 PROPOSER_CHOICES = (*PROPOSER_NAMES, *(name + LOOKUP_FIRST for name in LOOKUP_PROPOSERS))
-LOOKAHEAD = "lookahead"  # "lookahead:W,N,G": window W, n-grams of N tokens, at most G candidates
+LOOKAHEAD = "lookahead"  # "lookahead:W,N,G[,R[,C]]": window, n-gram size, candidates, recycled nodes, carry
 HF_DTYPE_SUFFIXES = {"-bf16": "bfloat16", "-fp32": "float32"}  # hf-greedy-bf16: HF greedy on a bf16 copy
 EARLY_EXIT = "hf-early-exit"
 HF_NAMES = ("hf-greedy", "hf-pld", "hf-assisted", EARLY_EXIT)
