@@ -81,9 +81,9 @@ def unread_rows(proposer, state: Any, history: torch.Tensor) -> int | None:
     return None if count is None else count(state, history)
 
 
-def start_generation(proposer, prompt: torch.Tensor, max_length: int, sampling: SamplingParams) -> Any:
-    """``proposer.start(prompt, max_length)``, with ``sampling`` for a proposer that ``carries_memory`` across
-    generations."""
+def start_generation(proposer, prompt: torch.Tensor, max_length: int, sampling: SamplingParams | None) -> Any:
+    """``proposer.start(prompt, max_length)``, with ``sampling`` (None: greedy) for a proposer that
+    ``carries_memory`` across generations."""
     if getattr(proposer, "carries_memory", False):
         return proposer.start(prompt, max_length, sampling=sampling)
     return proposer.start(prompt, max_length)

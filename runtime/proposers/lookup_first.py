@@ -96,8 +96,6 @@ class LookupFirstProposer:
         return getattr(self.head, "carries_memory", False)
 
     def start(self, prompt: torch.Tensor, max_length: int, sampling: SamplingParams | None = None) -> LookupFirstState:
-        if sampling is None:
-            return LookupFirstState(self.head.start(prompt, max_length))
         return LookupFirstState(start_generation(self.head, prompt, max_length, sampling))
 
     def propose(self, state: LookupFirstState, step: ProposeInput) -> Tree | Draft:
