@@ -12,7 +12,8 @@ import torch
 from runtime.decoder import SpeculativeDecoder
 from runtime.proposers.base import ProposeInput, start_generation
 from runtime.proposers import ProposerSpec, build_proposer
-from runtime.proposers.lookahead import (LookaheadProposer, NgramPool, SuccessorTable, choose_settings,
+from runtime.proposers.lookahead import (SUCCESSORS, LookaheadProposer, NgramPool, SuccessorTable,
+                                         blend_successors, choose_settings,
                                          expected_tokens, jacobi_update, pass_rows, record_successors, window_mask,
                                          window_ngrams, window_offsets, window_tokens)
 from runtime.proposers.lookup_first import LookupFirstProposer
@@ -83,7 +84,7 @@ def test_pool_keeps_the_most_recent_continuations_per_first_token():
 
 
 def test_successor_table_prefers_the_pair_and_keeps_the_latest():
-    table = SuccessorTable()
+    table = SuccessorTable(recent_weight=1.0)
     table.record([1, 5], [5, 6], [[6, 7], [8, 9]], [[0.6, 0.3], [0.5, 0.2]])  # after 1 then 5: 6 or 7; 5 6: 8 or 9
     assert table.successors(1, 5) == (6, 7)
     assert table.successors(2, 5) == (6, 7)  # no entry for (2, 5): what followed 5 alone
@@ -94,8 +95,30 @@ def test_successor_table_prefers_the_pair_and_keeps_the_latest():
     assert len(table) == 2
 
 
+def test_successor_table_blends_each_recording_into_the_entry():
+    assert blend_successors((), ((4, 0.8), (2, 0.1)), 0.5) == ((4, 0.4), (2, 0.05))  # a first recording: half
+    # (1 - w) old + w new over both sides' tokens, a token missing from one side at 0 there, likeliest first
+    mixed = blend_successors(((1, 0.6), (2, 0.3)), ((2, 0.5), (3, 0.4)), 0.5, keep=3)
+    assert [token for token, _ in mixed] == [2, 1, 3]
+    assert [chance for _, chance in mixed] == pytest.approx([0.4, 0.3, 0.2])
+    assert blend_successors(((1, 0.6),), ((2, 0.6),), 0.5) == ((1, 0.3), (2, 0.3))  # a tie: old's token first
+    assert len(blend_successors(tuple((t, 0.1) for t in range(8)), tuple((t, 0.1) for t in range(8, 16)), 0.5)) \
+        == SUCCESSORS
+
+    table = SuccessorTable(recent_weight=0.5)
+    table.record([1], [5], [[6, 7]], [[0.6, 0.3]])
+    table.record([1, 3], [5, 5], [[7, 8], [9, 6]], [[0.9, 0.1], [0.5, 0.4]])  # (1, 5) again, then 5 after 3
+    # the pair's two recordings: (6 .3, 7 .15), then (7 .525, 6 .15, 8 .05)
+    assert table.successors(1, 5) == (7, 6, 8)
+    assert [chance for _, chance in table.entry(1, 5)] == pytest.approx([0.525, 0.15, 0.05])
+    # 5 alone blends all three, in order, the last giving 6 .275, 7 .2625, 9 .25, 8 .025
+    assert table.successors(4, 5) == (6, 7, 9, 8) and table.successors(3, 5) == (9, 6)
+    with pytest.raises(ValueError, match="recent_weight"):
+        SuccessorTable(recent_weight=0.0)
+
+
 def test_recycled_paths_go_best_first_with_prefixes_first():
-    table = SuccessorTable()
+    table = SuccessorTable(recent_weight=1.0)
     table.record([0, 1, 2, 3], [1, 2, 3, 4], [[2, 9], [3, 8], [4, 7], [5, 6]],
                  [[0.5, 0.3], [0.9, 0.05], [0.4, 0.35], [0.5, 0.1]])  # a chain 1 2 3 4 5 of first picks
     # path scores are products of probabilities: 2 (0.5), 2 3 (0.45), 9 (0.3), 2 3 4 (0.18), 2 3 7 (0.1575),
@@ -187,7 +210,7 @@ def test_recycled_successors_carry_from_one_generation_to_the_next():
 
 
 def test_successor_table_drops_the_least_recently_recorded_pairs():
-    table = SuccessorTable(pair_capacity=2)
+    table = SuccessorTable(pair_capacity=2, recent_weight=1.0)
     top, probs = [[1, 2]], [[0.6, 0.3]]
     table.record([5], [6], top, probs)
     table.record([6], [7], top, probs)

@@ -71,6 +71,10 @@ MAX_WINDOW = 16
 # accepted tokens a pass. Fitted like HIT_SCALE, with scripts/benchmark.py's `lookahead` (tokens per pass 1.76 at
 # W = 1, N = 3, G = 1, R = 7 on every 8th MT-bench first turn, bf16).
 SUCCESSORS = 8
+# Each recording moves a key's entry this far towards the distribution just computed (``blend_successors``): an
+# exponential average over the contexts the key was seen in. The latest context alone (1.0) is right less often
+# behind lookup (scripts/results/README.md, "Recycled successors averaged over contexts").
+RECENT_WEIGHT = 0.5
 PAIR_CAPACITY = 1 << 16  # a bound for long-running servers: about 1 KB of Python objects per entry
 RECYCLE_SCALE = 0.23
 RECYCLED_SIZES = (0, 1, 2, 3, 5, 7, 11, 15)
@@ -146,13 +150,17 @@ class NgramPool:
 
 
 class SuccessorTable:
-    """The target's top-k next tokens after a token, and after a pair of tokens, with their probabilities, as the
-    latest verification pass computed them (at a tree node holding that token, after its parent's token)."""
+    """The target's top-k next tokens after a token, and after a pair of tokens, with their probabilities, from the
+    verification passes that computed them (at a tree node holding that token, after its parent's token): each
+    recording blends into the entry with ``recent_weight`` (1.0: the latest recording alone)."""
 
-    def __init__(self, pair_capacity: int = PAIR_CAPACITY):
+    def __init__(self, pair_capacity: int = PAIR_CAPACITY, recent_weight: float = RECENT_WEIGHT):
         if pair_capacity < 1:
             raise ValueError(f"SuccessorTable pair_capacity must be >= 1, got {pair_capacity}")
+        if not 0 < recent_weight <= 1:
+            raise ValueError(f"SuccessorTable recent_weight must be in (0, 1], got {recent_weight}")
         self.pair_capacity = pair_capacity
+        self.recent_weight = recent_weight
         self.after_token: dict[int, tuple[tuple[int, float], ...]] = {}
         # in the order last recorded (a dict keeps insertion order), so the oldest pair is the first
         self.after_pair: dict[tuple[int, int], tuple[tuple[int, float], ...]] = {}
@@ -160,13 +168,18 @@ class SuccessorTable:
     def record(self, before: list[int], tokens: list[int], successors: list[list[int]],
                probs: list[list[float]]) -> None:
         """Each node's token, the token before it, its top-k successors (best first) and the target's probabilities
-        for them, in order: a later node overwrites an earlier one's entry."""
-        pairs = self.after_pair
+        for them, in order: each blends into its token's and its pair's entries (``blend_successors``), a later node
+        after an earlier one."""
+        pairs, weight = self.after_pair, self.recent_weight
         for previous, token, top, chance in zip(before, tokens, successors, probs):
             entry = tuple(zip(top, chance))
-            self.after_token[token] = entry
-            pairs.pop((previous, token), None)
-            pairs[(previous, token)] = entry
+            if weight < 1:
+                self.after_token[token] = blend_successors(self.after_token.get(token, ()), entry, weight)
+                pairs[(previous, token)] = blend_successors(pairs.pop((previous, token), ()), entry, weight)
+            else:
+                self.after_token[token] = entry
+                pairs.pop((previous, token), None)
+                pairs[(previous, token)] = entry
         while len(pairs) > self.pair_capacity:
             del pairs[next(iter(pairs))]
 
@@ -207,6 +220,16 @@ class SuccessorTable:
 
     def __len__(self) -> int:
         return len(self.after_token)
+
+
+def blend_successors(old: tuple[tuple[int, float], ...], new: tuple[tuple[int, float], ...], weight: float,
+                     keep: int = SUCCESSORS) -> tuple[tuple[int, float], ...]:
+    """The ``keep`` likeliest (token, probability) of the mixture (1 - weight) old + weight new, likeliest first
+    (ties in the order old's tokens, then new's). A token missing from one side counts as 0 there."""
+    mixed = {token: (1 - weight) * chance for token, chance in old}
+    for token, chance in new:
+        mixed[token] = mixed.get(token, 0.0) + weight * chance
+    return tuple(sorted(mixed.items(), key=lambda item: -item[1])[:keep])
 
 
 def token_before_root(history: torch.Tensor) -> int:
