@@ -102,6 +102,7 @@ def test_successor_table_blends_each_recording_into_the_entry():
     assert [token for token, _ in mixed] == [2, 1, 3]
     assert [chance for _, chance in mixed] == pytest.approx([0.4, 0.3, 0.2])
     assert blend_successors(((1, 0.6),), ((2, 0.6),), 0.5) == ((1, 0.3), (2, 0.3))  # a tie: old's token first
+    assert blend_successors(((1, 0.6),), ((2, 0.6),), 1.0) == ((2, 0.6),)  # the latest alone
     assert len(blend_successors(tuple((t, 0.1) for t in range(8)), tuple((t, 0.1) for t in range(8, 16)), 0.5)) \
         == SUCCESSORS
 

@@ -173,13 +173,9 @@ class SuccessorTable:
         pairs, weight = self.after_pair, self.recent_weight
         for previous, token, top, chance in zip(before, tokens, successors, probs):
             entry = tuple(zip(top, chance))
-            if weight < 1:
-                self.after_token[token] = blend_successors(self.after_token.get(token, ()), entry, weight)
-                pairs[(previous, token)] = blend_successors(pairs.pop((previous, token), ()), entry, weight)
-            else:
-                self.after_token[token] = entry
-                pairs.pop((previous, token), None)
-                pairs[(previous, token)] = entry
+            self.after_token[token] = blend_successors(self.after_token.get(token, ()), entry, weight)
+            # popped and put back: the pair becomes the most recently recorded
+            pairs[(previous, token)] = blend_successors(pairs.pop((previous, token), ()), entry, weight)
         while len(pairs) > self.pair_capacity:
             del pairs[next(iter(pairs))]
 
@@ -225,7 +221,10 @@ class SuccessorTable:
 def blend_successors(old: tuple[tuple[int, float], ...], new: tuple[tuple[int, float], ...], weight: float,
                      keep: int = SUCCESSORS) -> tuple[tuple[int, float], ...]:
     """The ``keep`` likeliest (token, probability) of the mixture (1 - weight) old + weight new, likeliest first
-    (ties in the order old's tokens, then new's). A token missing from one side counts as 0 there."""
+    (ties in the order old's tokens, then new's). A token missing from one side counts as 0 there. Weight 1 is
+    ``new`` as it is."""
+    if weight == 1:
+        return new
     mixed = {token: (1 - weight) * chance for token, chance in old}
     for token, chance in new:
         mixed[token] = mixed.get(token, 0.0) + weight * chance
