@@ -3,7 +3,7 @@
 Proposers (``--proposer``, and ``--methods`` of the benchmark): ``none``, ``ngram``, ``draft`` (with
 ``--draft-model``), a head ``medusa`` / ``eagle`` / ``eagle3``, ``HEAD+ngram`` (prompt lookup first), and
 ``HEAD:DIR`` / ``HEAD+ngram:DIR`` for a head directory, ``lookahead`` / ``lookahead+ngram`` (prompt lookup first,
-lookahead elsewhere), with ``:W,N,G[,R[,C]]`` for its sizes -> ``runtime.proposers.ProposerSpec``.
+lookahead elsewhere), with ``:W,N,G[,R[,C[,P]]]`` for its sizes -> ``runtime.proposers.ProposerSpec``.
 
 Benchmark methods (``--methods``): a proposer as above, optionally ``@N`` (its verified tree size); the peer
 decoders ``economize-eagle3[:DIR]``, ``economize-medusa[:DIR]``, ``flashspec-ngram`` (``runtime.peers``; ``@N``:
@@ -31,7 +31,7 @@ from runtime.proposers.spec import HEAD_PROPOSERS, LOOKUP_PROPOSERS, PROPOSER_NA
 
 LOOKUP_FIRST = "+ngram"  # "eagle3+ngram": prompt lookup where it finds a match, the head elsewhere
 PROPOSER_CHOICES = (*PROPOSER_NAMES, *(name + LOOKUP_FIRST for name in LOOKUP_PROPOSERS))
-LOOKAHEAD = "lookahead"  # "lookahead:W,N,G[,R[,C]]": window, n-gram size, candidates, recycled nodes, carry
+LOOKAHEAD = "lookahead"  # "lookahead:W,N,G[,R[,C[,P]]]": window, n-gram size, candidates, recycled, carry, prior
 HF_DTYPE_SUFFIXES = {"-bf16": "bfloat16", "-fp32": "float32"}  # hf-greedy-bf16: HF greedy on a bf16 copy
 EARLY_EXIT = "hf-early-exit"
 HF_NAMES = ("hf-greedy", "hf-pld", "hf-assisted", EARLY_EXIT)
@@ -127,22 +127,25 @@ def read_prompts_or_exit(path: str | None, limit: int | None = None, flag: str =
 
 
 def parse_lookahead(text: str, *, head: str | None = None, flag: str = "--proposer") -> ProposerSpec:
-    """``lookahead``, ``lookahead+ngram``, either with ``:W,N,G``, ``:W,N,G,R`` or ``:W,N,G,R,C`` (e.g.
-    ``lookahead+ngram:8,3,8`` or ``lookahead:2,3,2,6``; R, the recycled nodes, is 0 when left out; C is 1 (the
+    """``lookahead``, ``lookahead+ngram``, either with ``:W,N,G``, ``:W,N,G,R``, ``:W,N,G,R,C`` or ``:W,N,G,R,C,P``
+    (e.g. ``lookahead+ngram:8,3,8`` or ``lookahead:2,3,2,6``; R, the recycled nodes, is 0 when left out; C is 1 (the
     default) to carry the recycled successors from one generation to the next, 0 to start each generation without
-    them; without sizes they come from the target's cost curve) as a ProposerSpec."""
+    them; P is 1 (the default) to draw on the target's successor prior, 0 not to; without sizes they come from the
+    target's cost curve) as a ProposerSpec."""
     name, colon, given = text.partition(":")
     if head is not None:
         raise usage_error(flag, f"{name} drafts without a head; drop --head")
     settings = None
     if colon:
         parts = [part.strip() for part in given.split(",")]
-        valid = len(parts) in (3, 4, 5) and all(part.isdigit() for part in parts) and parts[4:] in ([], ["0"], ["1"])
+        valid = (len(parts) in (3, 4, 5, 6) and all(part.isdigit() for part in parts)
+                 and all(part in ("0", "1") for part in parts[4:]))
         if not valid:
-            raise usage_error(flag, f"{text!r}: give lookahead's sizes as {name}:W,N,G, {name}:W,N,G,R or "
-                                    f"{name}:W,N,G,R,C (window, n-gram size, candidates, recycled nodes: integers; "
-                                    f"C 1 to carry recycled successors across generations, 0 not to), e.g. "
-                                    f"{name}:8,3,8")
+            raise usage_error(flag, f"{text!r}: give lookahead's sizes as {name}:W,N,G, {name}:W,N,G,R, "
+                                    f"{name}:W,N,G,R,C or {name}:W,N,G,R,C,P (window, n-gram size, candidates, "
+                                    f"recycled nodes: integers; C 1 to carry recycled successors across "
+                                    f"generations, 0 not to; P 1 to draw on the target's successor prior, 0 not to), "
+                                    f"e.g. {name}:8,3,8")
         sizes = [int(part) for part in parts]
         try:
             settings = LookaheadSettings(*sizes[:4], *(bool(c) for c in sizes[4:]))

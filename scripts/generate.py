@@ -50,9 +50,10 @@ def parse_args(argv=None):
                              "HEAD:DIR); HEAD+ngram drafts by prompt lookup where it finds a match, by the head "
                              "elsewhere; lookahead (lookahead decoding: n-grams from the target's own Jacobi "
                              "guesses), lookahead+ngram (prompt lookup first, lookahead elsewhere), either as "
-                             "lookahead:W,N,G[,R[,C]] for a window of W, n-grams of N tokens, at most G candidates, "
-                             "R recycled nodes and C=0 to keep recycled successors per generation, not across "
-                             "greedy generations (default: sizes chosen from this machine's cost curve, C=1)")
+                             "lookahead:W,N,G[,R[,C[,P]]] for a window of W, n-grams of N tokens, at most G "
+                             "candidates, R recycled nodes, C=0 to keep recycled successors per generation, not across "
+                             "greedy generations, and P=0 to draft without the target's successor prior "
+                             "(default: sizes chosen from this machine's cost curve, C=1, P=1)")
     parser.add_argument("--draft-model", help="draft model for --proposer draft")
     parser.add_argument("--head", help="trained head directory for --proposer medusa/eagle/eagle3")
     source = parser.add_mutually_exclusive_group()

@@ -58,7 +58,7 @@ def test_every_proposer_matches_hf_greedy_at_every_batch_size(arch):
     meets all four over the three architectures): below 8 rows, later prompts join as earlier ones finish."""
     target = target_for(arch)
     references = [hf_greedy(arch, prompt) for prompt in PROMPTS]
-    candidates = {**proposers(target, arch), **head_proposers(target), **lookahead_proposers()}
+    candidates = {**proposers(target, arch), **head_proposers(target), **lookahead_proposers(target)}
     shift = ["llama", "qwen2", "gemma"].index(arch)
     for number, (name, proposer) in enumerate(candidates.items()):
         decoder = BatchedDecoder(target, proposer, tree_size=8, attention="sdpa")

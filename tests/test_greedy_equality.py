@@ -9,6 +9,7 @@ from runtime.proposers.lookahead import LookaheadProposer
 from runtime.proposers.lookup_first import LookupFirstProposer
 from runtime.proposers.ngram import NgramProposer
 from runtime.proposers.spec import LookaheadSettings
+from runtime.successor_prior import measure_successor_prior
 from runtime.target import target_from_model
 from tests.conftest import tiny_model
 from tests.proposers_for_tests import BadProposer, RandomProposer
@@ -51,14 +52,20 @@ def test_every_proposer_matches_hf_greedy(arch):
                 assert result.target_forwards == len(result.accept_lengths) + 1
 
 
-def lookahead_proposers():
+def lookahead_proposers(target=None):
     """Lookahead, alone and with prompt lookup; windows of one column and of several, n-grams of 3 and 4 tokens,
-    without recycled successors and with them."""
-    return {
+    without recycled successors and with them; with ``target``, also behind lookup drafting from the target's
+    successor prior."""
+    found = {
         "lookahead": LookaheadProposer(LookaheadSettings(4, 3, 4)),
         "lookahead-narrow-recycled": LookaheadProposer(LookaheadSettings(1, 4, 2, 3)),
         "lookahead+ngram": LookupFirstProposer(LookaheadProposer(LookaheadSettings(3, 4, 3, 2)), NgramProposer()),
     }
+    if target is not None:
+        prior = measure_successor_prior(target, torch.tensor([1]), progress=False)
+        found["lookahead+ngram-prior"] = LookupFirstProposer(
+            LookaheadProposer(LookaheadSettings(1, 3, 1, 5), prior=prior), NgramProposer())
+    return found
 
 
 def test_lookahead_matches_hf_greedy(arch):
@@ -66,7 +73,7 @@ def test_lookahead_matches_hf_greedy(arch):
     proposer's own tree size and with fixed ones (1: the window alone beside the root)."""
     target = target_from_model(tiny_model(arch, seed=0, vocab_size=VOCAB), identity="tiny")
     references = [hf_greedy(arch, prompt, NEW_TOKENS) for prompt in PROMPTS]
-    for name, proposer in lookahead_proposers().items():
+    for name, proposer in lookahead_proposers(target).items():
         for tree_size, attention in ((None, "sdpa"), (1, "sdpa"), (8, "cascade")):
             decoder = SpeculativeDecoder(target, proposer, tree_size=tree_size, attention=attention)
             for prompt, reference in zip(PROMPTS, references):
@@ -81,7 +88,7 @@ def test_lookahead_with_sliding_windows_matches_hf_greedy(arch):
     target = target_from_model(tiny_model(arch, seed=0, vocab_size=VOCAB), identity="tiny")
     for prompt in PROMPTS:
         reference = hf_greedy(arch, prompt, NEW_TOKENS)
-        for proposer in lookahead_proposers().values():
+        for proposer in lookahead_proposers(target).values():
             assert SpeculativeDecoder(target, proposer).generate(prompt, NEW_TOKENS).tokens == reference
 
 

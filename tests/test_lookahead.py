@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,14 +13,15 @@ import torch
 from runtime.decoder import SpeculativeDecoder
 from runtime.proposers.base import ProposeInput, start_generation
 from runtime.proposers import ProposerSpec, build_proposer
-from runtime.proposers.lookahead import (SUCCESSORS, LookaheadProposer, NgramPool, SuccessorTable,
-                                         blend_successors, choose_settings,
+from runtime.proposers.lookahead import (SUCCESSORS, LookaheadProposer, NgramPool, SuccessorPrior,
+                                         SuccessorTable, blend_successors, choose_settings,
                                          expected_tokens, jacobi_update, pass_rows, record_successors, window_mask,
                                          window_ngrams, window_offsets, window_tokens)
 from runtime.proposers.lookup_first import LookupFirstProposer
 from runtime.proposers.ngram import NgramProposer
 from runtime.proposers.spec import LookaheadSettings
 from runtime.sampling import SamplingParams
+from runtime.successor_prior import measure_successor_prior, prior_prefix, successor_prior
 from runtime.target import target_from_model
 from runtime.tree import Draft, Tree, draft_row_mask, verification_mask
 from tests.conftest import tiny_model
@@ -423,7 +425,9 @@ def test_command_line_spellings():
         ("proposer", "lookahead:2,3,2,6,0", spec(lookahead=(2, 3, 2, 6, False))),
         ("proposer", "lookahead:2,3,2,6,1", spec(lookahead=(2, 3, 2, 6))),
         ("proposer", "lookahead:2,3,2,6,2", "lookahead:W,N,G,R,C"),
-        ("proposer", "lookahead:2,3,2,6,1,1", "lookahead:W,N,G,R,C"),
+        ("proposer", "lookahead:2,3,2,6,1,0", spec(lookahead=(2, 3, 2, 6, True, False))),
+        ("proposer", "lookahead:2,3,2,6,1,2", "lookahead:W,N,G,R,C,P"),
+        ("proposer", "lookahead:2,3,2,6,1,1,1", "lookahead:W,N,G,R,C,P"),
         ("proposer", "lookahead:8,2,8", "ngram must be >= 3"),
         ("methods", "hf-greedy,lookahead:4,3,4@9,lookahead+ngram,ngram",
          {"lookahead:4,3,4@9": {**spec(lookahead=(4, 3, 4)), "tree_size": 9},
@@ -436,3 +440,81 @@ def test_command_line_spellings():
             assert expected in got.get("error", ""), (text, got)
         else:
             assert got == expected, (text, got)
+
+
+def test_a_prior_serves_tokens_never_recorded_and_mixes_into_a_tokens_entry():
+    """The table's rule on hand-built entries: a pair's own entry first; else the token's, mixed with the prior's
+    at ``prior_weight``; else the prior's alone."""
+    prior = SuccessorPrior(torch.tensor([[1, 2], [0, 2], [1, 0]]), torch.tensor([[0.5, 0.25], [0.5, 0.5], [1.0, 0.0]]))
+    assert prior.entry(0) == ((1, 0.5), (2, 0.25)) and prior.entry(3) == () and prior.entry(-1) == ()
+    table = SuccessorTable(recent_weight=1.0, prior=prior)
+    assert table.entry(5, 0) == ((1, 0.5), (2, 0.25))  # nothing recorded for 0: the prior's
+    table.record([5], [0], [[2]], [[1.0]])
+    assert table.entry(5, 0) == ((2, 1.0),)  # the pair's own
+    assert table.entry(7, 0) == ((2, 0.625), (1, 0.25))  # 0's own (2: 1.0) half and half with the prior's
+    assert table.successors(7, 1) == (0, 2)
+    alone = SuccessorTable(recent_weight=1.0, prior=prior, prior_weight=0.0)
+    alone.record([5], [0], [[2]], [[1.0]])
+    assert alone.entry(7, 0) == ((2, 1.0),) and alone.entry(7, 1) == ((0, 0.5), (2, 0.5))
+    with pytest.raises(ValueError, match="prior_weight"):
+        SuccessorTable(prior=prior, prior_weight=1.0)
+    with pytest.raises(ValueError, match="one shape"):
+        SuccessorPrior(torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 1))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_measured_prior_is_each_tokens_next_tokens_after_the_prefix(arch):
+    """Many tokens share one pass over the prefix's cache, each row seeing the prefix and itself: the same top-k as
+    a forward pass of prefix + token, token by token, whatever the rows a pass."""
+    model = tiny_model(arch, seed=0, vocab_size=VOCAB)
+    target = target_from_model(model, identity="tiny")
+    prefix = torch.tensor([3, 17, 5])
+    ids = torch.cat([prefix.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], 1)
+    with torch.no_grad():
+        reference = model(ids).logits[:, -1].float().softmax(-1).topk(4, dim=-1)
+    for rows in (7, VOCAB):
+        prior = measure_successor_prior(target, prefix, rows=rows, keep=4, progress=False)
+        assert torch.equal(prior.tokens, reference.indices), f"{arch}: rows {rows}"
+        torch.testing.assert_close(prior.probs, reference.values)
+        assert prior.vocab_size == VOCAB
+
+
+def test_successor_prior_is_measured_once_and_read_back(tmp_path, monkeypatch):
+    """The prior is cached (safetensors) per target and prefix and read back without measuring; lookahead built for
+    a target takes it where it recycles successors and its settings ask for it."""
+    import runtime.successor_prior as module
+
+    monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path))
+    tokenizer = SimpleNamespace(chat_template=None, bos_token_id=None, eos_token_id=2)
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), tokenizer, identity="tiny")
+    assert prior_prefix(tokenizer).tolist() == [2]  # no template, no BOS: the end-of-sequence token
+    first = successor_prior(target)
+    assert len(list((tmp_path / "successor_priors").glob("*.safetensors"))) == 1
+    assert not list((tmp_path / "successor_priors").glob("*.partial"))
+
+    def measure(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    real_measure = module.measure_successor_prior
+    monkeypatch.setattr(module, "measure_successor_prior", measure)
+    again = successor_prior(target)
+    assert torch.equal(again.tokens, first.tokens) and torch.equal(again.probs, first.probs)
+    assert LookaheadProposer.for_target(target, LookaheadSettings(1, 3, 1, 4)).successors.prior is not None
+    assert LookaheadProposer.for_target(target, LookaheadSettings(1, 3, 1, 4, prior=False)).prior is None
+    assert LookaheadProposer.for_target(target, LookaheadSettings(1, 3, 1)).prior is None  # nothing recycled
+    assert "no prior" in str(LookaheadSettings(1, 3, 1, 4, prior=False))
+    # a prior that would take too long on this device is not measured: lookahead goes without it, nothing cached
+    monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path / "other"))
+    monkeypatch.setattr(module, "measure_successor_prior", real_measure)
+    assert successor_prior(target, budget_seconds=0.0) is None
+    assert not (tmp_path / "other").exists()
+    monkeypatch.setattr(module, "successor_prior", lambda target: None)
+    assert LookaheadProposer.for_target(target, LookaheadSettings(1, 3, 1, 4)).successors.prior is None
+    with pytest.raises(ValueError, match="prior must be True or False"):
+        LookaheadSettings(1, 3, 1, 4, prior=1)
+    with pytest.raises(ValueError, match="prior=False"):
+        prior_prefix(SimpleNamespace(chat_template=None, bos_token_id=None, eos_token_id=None))
+    # without a tokenizer, the model's own special tokens
+    assert prior_prefix(None, SimpleNamespace(bos_token_id=None, eos_token_id=[7, 8])).tolist() == [7]
+    with pytest.raises(ValueError, match="prior=False"):
+        prior_prefix(None, SimpleNamespace())

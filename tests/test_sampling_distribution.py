@@ -17,6 +17,7 @@ from runtime.proposers.lookup_first import LookupFirstProposer
 from runtime.proposers.ngram import NgramProposer
 from runtime.proposers.spec import LookaheadSettings
 from runtime.sampling import SamplingParams, processed_probs
+from runtime.successor_prior import measure_successor_prior
 from runtime.target import target_from_model
 from tests.conftest import tiny_model
 from tests.proposers_for_tests import RandomProposer
@@ -83,6 +84,11 @@ PROPOSERS = {
     "lookahead": lambda target: LookaheadProposer(LookaheadSettings(3, 3, 3)),
     "lookahead+ngram": lambda target: LookupFirstProposer(LookaheadProposer(LookaheadSettings(2, 3, 2, 3)),
                                                      NgramProposer(max_ngram=2)),
+    # the successor prior is a function of the target alone
+    "lookahead+ngram-prior": lambda target: LookupFirstProposer(
+        LookaheadProposer(LookaheadSettings(1, 3, 1, 5),
+                          prior=measure_successor_prior(target, torch.tensor([1]), progress=False)),
+        NgramProposer(max_ngram=2)),
 }
 
 

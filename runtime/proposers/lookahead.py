@@ -25,13 +25,21 @@ sizes each drafter's trees by its own rule.
 
 Recycled successors (Luo et al., 2024, "Turning Trash into Treasure"). A verification pass computes the target's
 logits at every tree node, and all but the accepted path's are thrown away. Their top-k are the target's guesses of
-what follows each node's token; the ``SuccessorTable`` keeps the latest for each token and each pair of tokens, with
-the target's probabilities. The tree's nodes that the pool's n-grams leave free (R of them at least,
-``LookaheadSettings.recycled``) are filled from it best-first by the product of those probabilities along a path:
-the root's likeliest successors, theirs, and so on. The table is a deterministic function of
-the history and the earlier passes' logits, like the pool, so the exact acceptance keeps the output the target's.
-On a CPU, where each extra row costs, recycled nodes are right far more often than the window's n-grams for the
-same rows (scripts/results/README.md, "Recycled successors"), and the cost curve gives them most of the pass.
+what follows each node's token; the ``SuccessorTable`` keeps them for each token and each pair of tokens, with the
+target's probabilities, averaged over the contexts each was seen in (``RECENT_WEIGHT``). The tree's nodes that the
+pool's n-grams leave free (R of them at least, ``LookaheadSettings.recycled``) are filled from it best-first by the
+product of those probabilities along a path: the root's likeliest successors, theirs, and so on. The table is a
+deterministic function of the history and the earlier passes' logits, like the pool, so the exact acceptance keeps
+the output the target's. On a CPU, where each extra row costs, recycled nodes are right far more often than the
+window's n-grams for the same rows (scripts/results/README.md, "Recycled successors"), and the cost curve gives
+them most of the pass.
+
+A token the table has never recorded gives a recycled tree nothing to hold, and a token recorded in one context holds
+that context's guess. The target's context-free successors of every token (``runtime.successor_prior``: each token
+placed where a reply starts, measured once per target) fill both gaps: they are a token's entry where it has none,
+and are mixed into its own entry (``PRIOR_WEIGHT``) where a pair was never recorded. They matter most where the table
+is cold: a generation's own table (sampling, or ``carry`` off) and a server's first requests (scripts/results/
+README.md, "A context-free prior for recycled successors").
 
 The table outlives a generation (``LookaheadSettings.carry``, on by default), as Token Recycling's adjacency matrix
 is inherited from the previous query: it lives on the proposer, every generation's state holds the same table, and
@@ -75,6 +83,10 @@ SUCCESSORS = 8
 # exponential average over the contexts the key was seen in. The latest context alone (1.0) is right less often
 # behind lookup (scripts/results/README.md, "Recycled successors averaged over contexts").
 RECENT_WEIGHT = 0.5
+# Where a pair was never recorded, a token's own entry is mixed half and half with the target's context-free
+# successors of it (``SuccessorPrior``), which alone serve a token never verified before (scripts/results/README.md,
+# "A context-free prior for recycled successors").
+PRIOR_WEIGHT = 0.5
 PAIR_CAPACITY = 1 << 16  # a bound for long-running servers: about 1 KB of Python objects per entry
 RECYCLE_SCALE = 0.23
 RECYCLED_SIZES = (0, 1, 2, 3, 5, 7, 11, 15)
@@ -149,18 +161,49 @@ class NgramPool:
         return sum(len(known) for known in self.grams.values())
 
 
+class SuccessorPrior:
+    """The target's top-k next tokens after each vocabulary token out of context (``runtime.successor_prior``):
+    tokens [V, K] long and probs [V, K] float, likeliest first. Entries are read as tuples when first asked for."""
+
+    def __init__(self, tokens: torch.Tensor, probs: torch.Tensor):
+        if tokens.ndim != 2 or tokens.shape != probs.shape:
+            raise ValueError(f"SuccessorPrior takes tokens and probs of one shape [V, K], got {tuple(tokens.shape)} "
+                             f"and {tuple(probs.shape)}")
+        self.tokens, self.probs = tokens, probs
+        self._entries: dict[int, tuple[tuple[int, float], ...]] = {}
+
+    def entry(self, token: int) -> tuple[tuple[int, float], ...]:
+        """(successor, probability) pairs after ``token``, likeliest first; () for a token outside the vocabulary."""
+        found = self._entries.get(token)
+        if found is None:
+            inside = 0 <= token < self.tokens.shape[0]
+            found = tuple(zip(self.tokens[token].tolist(), self.probs[token].tolist())) if inside else ()
+            self._entries[token] = found
+        return found
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokens.shape[0]
+
+
 class SuccessorTable:
     """The target's top-k next tokens after a token, and after a pair of tokens, with their probabilities, from the
     verification passes that computed them (at a tree node holding that token, after its parent's token): each
-    recording blends into the entry with ``recent_weight`` (1.0: the latest recording alone)."""
+    recording blends into the entry with ``recent_weight`` (1.0: the latest recording alone). With a ``prior``, a
+    token's entry is mixed with the prior's (``prior_weight`` of it), and a token never recorded has the prior's."""
 
-    def __init__(self, pair_capacity: int = PAIR_CAPACITY, recent_weight: float = RECENT_WEIGHT):
+    def __init__(self, pair_capacity: int = PAIR_CAPACITY, recent_weight: float = RECENT_WEIGHT,
+                 prior: SuccessorPrior | None = None, prior_weight: float = PRIOR_WEIGHT):
         if pair_capacity < 1:
             raise ValueError(f"SuccessorTable pair_capacity must be >= 1, got {pair_capacity}")
         if not 0 < recent_weight <= 1:
             raise ValueError(f"SuccessorTable recent_weight must be in (0, 1], got {recent_weight}")
+        if not 0 <= prior_weight < 1:
+            raise ValueError(f"SuccessorTable prior_weight must be in [0, 1), got {prior_weight}")
         self.pair_capacity = pair_capacity
         self.recent_weight = recent_weight
+        self.prior = prior
+        self.prior_weight = prior_weight
         self.after_token: dict[int, tuple[tuple[int, float], ...]] = {}
         # in the order last recorded (a dict keeps insertion order), so the oldest pair is the first
         self.after_pair: dict[tuple[int, int], tuple[tuple[int, float], ...]] = {}
@@ -181,17 +224,26 @@ class SuccessorTable:
 
     def entry(self, previous: int, token: int) -> tuple[tuple[int, float], ...]:
         """(successor, probability) pairs recorded after the pair (``previous``, ``token``), else after ``token``
-        alone; () if never."""
-        return self.after_pair.get((previous, token)) or self.after_token.get(token, ())
+        alone (mixed with the prior's entry for it), else the prior's; () without any."""
+        found = self.after_pair.get((previous, token))
+        if found:
+            return found
+        own = self.after_token.get(token, ())
+        if self.prior is None:
+            return own
+        prior = self.prior.entry(token)
+        if not own:
+            return prior
+        return blend_successors(own, prior, self.prior_weight) if self.prior_weight else own
 
     def successors(self, previous: int, token: int) -> tuple[int, ...]:
-        """What followed ``token`` after ``previous`` when last seen, else after ``token`` alone; () if never."""
+        """The successors of ``entry``, likeliest first."""
         return tuple(t for t, _ in self.entry(previous, token))
 
     def scored_paths(self, previous: int, root: int, count: int) -> list[tuple[tuple[int, ...], float]]:
         """Up to ``count`` (continuation of ``root``, its score), best first: a path scores the product of its
-        tokens' recorded probabilities (what EAGLE-2 ranks its draft tree by, here the target's own, from the last
-        time it saw each token), and each path's prefix comes before it, so a trie of the first n paths has n + 1
+        tokens' recorded probabilities (what EAGLE-2 ranks its draft tree by, here the target's own, from the times
+        it saw each token), and each path's prefix comes before it, so a trie of the first n paths has n + 1
         nodes."""
         found: list[tuple[tuple[int, ...], float]] = []
         frontier: list[tuple[float, int, tuple[int, ...], int, int]] = []  # (-score, order, path, previous, token)
@@ -291,7 +343,8 @@ class LookaheadState:
 
 class LookaheadProposer:
     """Lookahead decoding with ``settings`` (W, N, G, R), recycling into ``successors`` (default: a table of its own
-    when ``settings.carry``, kept across its generations).
+    when ``settings.carry``, kept across its generations) and its tables drawing on ``prior`` where they have no
+    entry of their own (``SuccessorTable``; a table given as ``successors`` keeps its own prior).
 
     Its trees are as wide as G candidates side by side, which adaptive sizing (a chain model) would shrink to one
     candidate: the decoder verifies trees of its own ``tree_size`` (1 + G (N - 1), ``own_tree_size``) unless given
@@ -304,17 +357,18 @@ class LookaheadProposer:
     name = "lookahead"
 
     def __init__(self, settings: LookaheadSettings, reason: str | None = None,
-                 successors: SuccessorTable | None = None):
+                 successors: SuccessorTable | None = None, prior: SuccessorPrior | None = None):
         if not isinstance(settings, LookaheadSettings):
             raise TypeError(f"LookaheadProposer takes LookaheadSettings, not {type(settings).__name__}")
         if successors is not None and not settings.carry:
             raise ValueError("a SuccessorTable to carry across generations was given with LookaheadSettings.carry "
                              "False; give settings with carry=True, or no table")
         self.settings = settings
+        self.prior = prior
         # the recycled successors every greedy generation of this proposer reads and records (settings.carry), or
         # None: each generation starts its own. A table given here may be shared with other proposers.
         if successors is None and settings.carry and settings.recycled:
-            successors = SuccessorTable()
+            successors = SuccessorTable(prior=prior)
         self.successors = successors
         self.extra_rows = settings.window_rows
         self.tree_size = settings.tree_size
@@ -326,13 +380,21 @@ class LookaheadProposer:
 
     @classmethod
     def for_target(cls, target, settings: LookaheadSettings | None = None):
-        """With ``settings``, or with the settings chosen from ``target``'s measured cost curve."""
+        """With ``settings``, or with the settings chosen from ``target``'s measured cost curve; with ``target``'s
+        successor prior (measured once, cached) where the settings recycle successors and ask for one, unless
+        measuring it would take too long on this device (``runtime.successor_prior.PRIOR_BUDGET_SECONDS``)."""
         if settings is not None:
-            return cls(settings, reason=f"{settings}, as given")
-        from runtime.cost_model import cost_curve
+            reason = f"{settings}, as given"
+        else:
+            from runtime.cost_model import cost_curve
 
-        chosen, why = choose_settings(cost_curve(target))
-        return cls(chosen, reason=why)
+            settings, reason = choose_settings(cost_curve(target))
+        prior = None
+        if settings.recycled and settings.prior:
+            from runtime.successor_prior import successor_prior
+
+            prior = successor_prior(target)
+        return cls(settings, reason=reason, prior=prior)
 
     @property
     def carries_memory(self) -> bool:
@@ -348,7 +410,7 @@ class LookaheadProposer:
         picks = torch.randint(prompt.numel(), (s.ngram - 1, s.window), generator=generator)
         device = prompt.device
         carried = self.successors is not None and (sampling is None or sampling.greedy)
-        successors = self.successors if carried else SuccessorTable()
+        successors = self.successors if carried else SuccessorTable(prior=self.prior)
         return LookaheadState(prompt[picks.to(device)], NgramPool(s.candidates), successors,
                               window_offsets(s.window, s.ngram).to(device), window_mask(s.window, s.ngram).to(device))
 

@@ -20,17 +20,21 @@ class LookaheadSettings:
     step, also the most the pool keeps per first token, and ``recycled`` (R) tree nodes beyond them for the
     successors the target's verification passes computed (0: none). A pass carries (N - 1) W - 1 window rows and a
     tree of at most 1 + G (N - 1) + R nodes. ``carry``: the successors recorded in one generation serve the next
-    ones (as Token Recycling inherits its table from the previous query); False starts each generation empty."""
+    ones (as Token Recycling inherits its table from the previous query); False starts each generation empty.
+    ``prior``: a token with no successors recorded yet drafts from the target's context-free successors of it
+    (``runtime.successor_prior``, measured once per target), and a token's recorded successors are mixed with them."""
 
     window: int
     ngram: int
     candidates: int
     recycled: int = 0
     carry: bool = True
+    prior: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.carry, bool):
-            raise ValueError(f"LookaheadSettings.carry must be True or False, got {self.carry!r}")
+        for name in ("carry", "prior"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LookaheadSettings.{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("window", "ngram", "candidates", "recycled"):
             value = getattr(self, name)
             least = 0 if name == "recycled" else 1
@@ -53,7 +57,8 @@ class LookaheadSettings:
 
     def __str__(self) -> str:
         carried = "" if self.carry or not self.recycled else ", successors per generation"
-        return f"W={self.window}, N={self.ngram}, G={self.candidates}, R={self.recycled}{carried}"
+        prior = "" if self.prior or not self.recycled else ", no prior"
+        return f"W={self.window}, N={self.ngram}, G={self.candidates}, R={self.recycled}{carried}{prior}"
 
 
 @dataclass(frozen=True)
@@ -95,13 +100,13 @@ class ProposerSpec:
             if isinstance(self.lookahead, dict):  # a spec read back from JSON (dataclasses.asdict)
                 object.__setattr__(self, "lookahead", LookaheadSettings(**self.lookahead))
             elif isinstance(self.lookahead, (tuple, list)):
-                if len(self.lookahead) not in (3, 4, 5):
-                    raise ValueError(f"ProposerSpec.lookahead: give (window, ngram, candidates[, recycled[, carry]]), "
-                                     f"got {self.lookahead!r}")
+                if len(self.lookahead) not in (3, 4, 5, 6):
+                    raise ValueError(f"ProposerSpec.lookahead: give (window, ngram, candidates[, recycled[, carry"
+                                     f"[, prior]]]), got {self.lookahead!r}")
                 object.__setattr__(self, "lookahead", LookaheadSettings(*self.lookahead))
             elif not isinstance(self.lookahead, LookaheadSettings):
                 raise TypeError(f"ProposerSpec.lookahead must be LookaheadSettings or (window, ngram, candidates"
-                                f"[, recycled[, carry]]), got {self.lookahead!r}")
+                                f"[, recycled[, carry[, prior]]]), got {self.lookahead!r}")
         if self.name == "draft" and not self.draft_model:
             raise ValueError("ProposerSpec.draft_model is required for name='draft' (a smaller model with the "
                              "target's tokenizer: an HF id, directory, .gguf or alias)")
