@@ -8,7 +8,8 @@ sharing one cached prefix, so the whole vocabulary is a few hundred passes of a 
 tree: each row sees the prefix and itself), measured once per target and cached like the cost curve.
 
 The prior is a draft source only: whatever it holds, the verification's exact acceptance keeps the output the
-target's, and it depends on nothing but the target, so it keeps a generation deterministic.
+target's. Once cached it is a function of the target and the prefix, so drafts from it are deterministic; whether a
+target has one at all depends on its tokenizer and on how long measuring would take here (``successor_prior``).
 """
 
 from __future__ import annotations
@@ -19,41 +20,48 @@ import sys
 import time
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from runtime.assets import cache_dir
 from runtime.proposers.lookahead import SUCCESSORS, SuccessorPrior
-from runtime.prompts import encode_prompt
 from runtime.target import Target
 from runtime.tree import verification_mask
 
 # What the prefix asks: any short request works about as well (the successors of a token barely depend on it).
 PRIOR_REQUEST = "Write an answer."
-# Part of the cache key: raised whenever what the prior holds changes (the prefix, k, the rule for reading it).
+# Part of the cache key: raised whenever what the prior holds changes (the prefix's rule, the rule for reading it).
 PRIOR_VERSION = 1
 PRIOR_ROWS = 256  # tokens a pass: the pass is compute-bound well before this on a CPU
 # The most a first use may spend measuring: a large target on a CPU (billions of weights, a vocabulary of 100k+)
 # would take hours, so lookahead goes without the prior there, saying so, rather than stall its first generation.
 PRIOR_BUDGET_SECONDS = 600.0
+# A fixed date for chat templates that print one (Llama 3's "Today Date"): otherwise the prefix, and with it the
+# cache key, would change every day.
+PRIOR_DATE = "1 Jan 2025"
 
 
 def prior_prefix(tokenizer, config=None) -> torch.Tensor:
     """[P] long, P >= 1: the context a prior's tokens follow: the chat template's opening of a reply to a short
-    request where the tokenizer has a template, else its beginning-of-sequence token, else its end-of-sequence
-    token (a document boundary); without a tokenizer, the model ``config``'s."""
+    request where the tokenizer has a template (dated ``PRIOR_DATE`` where it prints a date), else the tokenizer's
+    or the model ``config``'s beginning-of-sequence token, else their end-of-sequence token (a document boundary)."""
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return encode_prompt(tokenizer, PRIOR_REQUEST)
-    source = tokenizer if tokenizer is not None else config
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": PRIOR_REQUEST}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False, date_string=PRIOR_DATE)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return torch.tensor(ids, dtype=torch.long).reshape(-1)
     for name in ("bos_token_id", "eos_token_id"):
-        token_id = getattr(source, name, None)
-        if isinstance(token_id, (list, tuple)):
-            token_id = token_id[0] if token_id else None
-        if token_id is not None:
-            return torch.tensor([int(token_id)], dtype=torch.long)
+        for source in (tokenizer, config):
+            token_id = getattr(source, name, None) if source is not None else None
+            if isinstance(token_id, (list, tuple)):
+                token_id = token_id[0] if token_id else None
+            if token_id is not None:
+                return torch.tensor([int(token_id)], dtype=torch.long)
     raise ValueError("neither the tokenizer nor the model's config has a chat template, a beginning- or an "
-                     "end-of-sequence token to start a successor prior from; build lookahead with "
-                     "LookaheadSettings(prior=False)")
+                     "end-of-sequence token to start a successor prior from; build lookahead without the prior "
+                     "(lookahead:W,N,G,R,C,0, or LookaheadSettings(prior=False))")
 
 
 @torch.inference_mode()
@@ -62,9 +70,10 @@ def measure_successor_prior(target: Target, prefix: torch.Tensor, rows: int = PR
                             budget_seconds: float | None = None) -> SuccessorPrior | None:
     """The target's ``keep`` likeliest next tokens after each vocabulary token placed right after ``prefix`` [P],
     with their probabilities: ``rows`` tokens a pass over the prefix's cached K/V, each row seeing the prefix and
-    itself at position P. None when the first pass shows that all of them would take more than
-    ``budget_seconds``."""
-    vocab, length, device = target.vocab_size, prefix.numel(), target.device
+    itself at position P. Tokens are the model's input ids (the LM head may have more rows: those are never drafted
+    from). None when the first pass shows that all of them would take more than ``budget_seconds``."""
+    vocab = min(target.vocab_size, target.model.get_input_embeddings().num_embeddings)
+    length, device = prefix.numel(), target.device
     keep = min(keep, vocab)
     cache = target.new_cache(1, length + rows)
     target.forward(prefix[None].to(device), torch.arange(length, device=device)[None], cache, None,
@@ -93,27 +102,45 @@ def measure_successor_prior(target: Target, prefix: torch.Tensor, rows: int = PR
 
 
 def _prior_path(target: Target, prefix: torch.Tensor):
-    key = f"{target.identity}|{target.dtype}|{target.device.type}|{prefix.tolist()}|v{PRIOR_VERSION}"
+    key = (f"{target.identity}|{target.vocab_size}|{target.dtype}|{target.device.type}|{prefix.tolist()}|"
+           f"k{SUCCESSORS}|v{PRIOR_VERSION}")
     return cache_dir() / "successor_priors" / f"{hashlib.sha1(key.encode()).hexdigest()[:12]}.safetensors"
+
+
+def _read_prior(path, vocab_size: int) -> SuccessorPrior | None:
+    """The prior saved at ``path`` if it is whole and fits a vocabulary of ``vocab_size`` (two models under one
+    identity, such as "in-memory", share a key), else None."""
+    try:
+        saved = load_file(str(path))
+        tokens, probs = saved["tokens"].long(), saved["probs"]
+    except (OSError, KeyError, SafetensorError):
+        return None
+    fits = tokens.ndim == 2 and tokens.shape == probs.shape and tokens.shape[0] <= vocab_size
+    return SuccessorPrior(tokens, probs) if fits and int(tokens.max()) < vocab_size else None
 
 
 def successor_prior(target: Target, prefix: torch.Tensor | None = None,
                     budget_seconds: float = PRIOR_BUDGET_SECONDS) -> SuccessorPrior | None:
     """The cached prior for this target after ``prefix`` [P] (default: ``prior_prefix`` of its tokenizer and config),
-    measured on first use (one pass per ``PRIOR_ROWS`` vocabulary tokens); None where measuring it would take more
-    than ``budget_seconds``."""
+    measured on first use (one pass per ``PRIOR_ROWS`` vocabulary tokens); None, said on stderr, where the target
+    gives no prefix or measuring it would take more than ``budget_seconds``."""
     if prefix is None:
-        prefix = prior_prefix(target.tokenizer, target.config)
+        try:
+            prefix = prior_prefix(target.tokenizer, target.config)
+        except ValueError as error:
+            print(f"[headstart] {error}; lookahead drafts without a successor prior", file=sys.stderr)
+            return None
     path = _prior_path(target, prefix)
     if path.is_file():
-        saved = load_file(str(path))
-        return SuccessorPrior(saved["tokens"].long(), saved["probs"])
+        saved = _read_prior(path, target.vocab_size)
+        if saved is not None:
+            return saved
     print("[headstart] measuring the target's successor prior for lookahead (once) ...", file=sys.stderr)
     prior = measure_successor_prior(target, prefix, budget_seconds=budget_seconds)
     if prior is None:
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
+    partial = path.with_suffix(f".{os.getpid()}.partial")  # processes measuring at once each write their own
     save_file({"tokens": prior.tokens.to(torch.int32).contiguous(), "probs": prior.probs.contiguous()},
               str(partial))
     os.replace(partial, path)

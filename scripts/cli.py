@@ -3,7 +3,7 @@
 Proposers (``--proposer``, and ``--methods`` of the benchmark): ``none``, ``ngram``, ``draft`` (with
 ``--draft-model``), a head ``medusa`` / ``eagle`` / ``eagle3``, ``HEAD+ngram`` (prompt lookup first), and
 ``HEAD:DIR`` / ``HEAD+ngram:DIR`` for a head directory, ``lookahead`` / ``lookahead+ngram`` (prompt lookup first,
-lookahead elsewhere), with ``:W,N,G[,R[,C[,P]]]`` for its sizes -> ``runtime.proposers.ProposerSpec``.
+lookahead elsewhere), with ``:W,N,G[,R[,C[,P]]]`` for its sizes and switches -> ``runtime.proposers.ProposerSpec``.
 
 Benchmark methods (``--methods``): a proposer as above, optionally ``@N`` (its verified tree size); the peer
 decoders ``economize-eagle3[:DIR]``, ``economize-medusa[:DIR]``, ``flashspec-ngram`` (``runtime.peers``; ``@N``:
@@ -130,8 +130,9 @@ def parse_lookahead(text: str, *, head: str | None = None, flag: str = "--propos
     """``lookahead``, ``lookahead+ngram``, either with ``:W,N,G``, ``:W,N,G,R``, ``:W,N,G,R,C`` or ``:W,N,G,R,C,P``
     (e.g. ``lookahead+ngram:8,3,8`` or ``lookahead:2,3,2,6``; R, the recycled nodes, is 0 when left out; C is 1 (the
     default) to carry the recycled successors from one generation to the next, 0 to start each generation without
-    them; P is 1 (the default) to draw on the target's successor prior, 0 not to; without sizes they come from the
-    target's cost curve) as a ProposerSpec."""
+    them; P is 1 (the default) to draw on the target's successor prior, measured on first use, 0 not to; C and P
+    matter only with R > 0; without sizes they come from the target's cost curve, with C and P on) as a
+    ProposerSpec."""
     name, colon, given = text.partition(":")
     if head is not None:
         raise usage_error(flag, f"{name} drafts without a head; drop --head")

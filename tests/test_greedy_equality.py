@@ -73,13 +73,15 @@ def test_lookahead_matches_hf_greedy(arch):
     proposer's own tree size and with fixed ones (1: the window alone beside the root)."""
     target = target_from_model(tiny_model(arch, seed=0, vocab_size=VOCAB), identity="tiny")
     references = [hf_greedy(arch, prompt, NEW_TOKENS) for prompt in PROMPTS]
-    for name, proposer in lookahead_proposers(target).items():
+    candidates = lookahead_proposers(target)
+    for name, proposer in candidates.items():
         for tree_size, attention in ((None, "sdpa"), (1, "sdpa"), (8, "cascade")):
             decoder = SpeculativeDecoder(target, proposer, tree_size=tree_size, attention=attention)
             for prompt, reference in zip(PROMPTS, references):
                 result = decoder.generate(prompt, NEW_TOKENS)
                 assert result.tokens == reference, f"{arch}/{name}/T={tree_size}/{attention}: output differs"
                 assert result.target_forwards == len(result.accept_lengths) + 1
+    assert candidates["lookahead+ngram-prior"].head.prior._entries  # the prior was drafted from
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2-sliding", "gemma2"])

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from runtime.decoder import SpeculativeDecoder
 from runtime.proposers.base import ProposeInput, start_generation
@@ -468,7 +469,7 @@ def test_measured_prior_is_each_tokens_next_tokens_after_the_prefix(arch):
     a forward pass of prefix + token, token by token, whatever the rows a pass."""
     model = tiny_model(arch, seed=0, vocab_size=VOCAB)
     target = target_from_model(model, identity="tiny")
-    prefix = torch.tensor([3, 17, 5])
+    prefix = torch.tensor([3, 17, 5, 40, 12, 9, 33, 21, 8, 50])  # longer than the tiny gemma2's sliding window
     ids = torch.cat([prefix.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], 1)
     with torch.no_grad():
         reference = model(ids).logits[:, -1].float().softmax(-1).topk(4, dim=-1)
@@ -488,6 +489,15 @@ def test_successor_prior_is_measured_once_and_read_back(tmp_path, monkeypatch):
     tokenizer = SimpleNamespace(chat_template=None, bos_token_id=None, eos_token_id=2)
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), tokenizer, identity="tiny")
     assert prior_prefix(tokenizer).tolist() == [2]  # no template, no BOS: the end-of-sequence token
+
+    class Templated:  # the template's ids, dated where the template prints a date
+        chat_template = "..."
+
+        def apply_chat_template(self, messages, **kwargs):
+            assert kwargs["add_generation_prompt"] and kwargs["date_string"]
+            return [5, 6, len(messages[0]["content"])]
+
+    assert prior_prefix(Templated()).tolist() == [5, 6, len("Write an answer.")]
     first = successor_prior(target)
     assert len(list((tmp_path / "successor_priors").glob("*.safetensors"))) == 1
     assert not list((tmp_path / "successor_priors").glob("*.partial"))
@@ -503,9 +513,20 @@ def test_successor_prior_is_measured_once_and_read_back(tmp_path, monkeypatch):
     assert LookaheadProposer.for_target(target, LookaheadSettings(1, 3, 1, 4, prior=False)).prior is None
     assert LookaheadProposer.for_target(target, LookaheadSettings(1, 3, 1)).prior is None  # nothing recycled
     assert "no prior" in str(LookaheadSettings(1, 3, 1, 4, prior=False))
+    # a file that does not fit this target's vocabulary (another model under the same identity) is measured again
+    path = next((tmp_path / "successor_priors").glob("*.safetensors"))
+    save_file({"tokens": torch.full((VOCAB, SUCCESSORS), VOCAB, dtype=torch.int32),
+               "probs": torch.zeros(VOCAB, SUCCESSORS)}, str(path))
+    monkeypatch.setattr(module, "measure_successor_prior", real_measure)
+    assert torch.equal(successor_prior(target).tokens, first.tokens)
+    path.write_bytes(b"not safetensors")
+    assert torch.equal(successor_prior(target).tokens, first.tokens)
+    with pytest.raises(ValueError, match="prior=True"):
+        LookaheadProposer(LookaheadSettings(1, 3, 1, 4, prior=False), prior=first)
+    shared = SuccessorTable(prior=first)
+    assert LookaheadProposer(LookaheadSettings(1, 3, 1, 4), successors=shared).prior is first  # sampled tables too
     # a prior that would take too long on this device is not measured: lookahead goes without it, nothing cached
     monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path / "other"))
-    monkeypatch.setattr(module, "measure_successor_prior", real_measure)
     assert successor_prior(target, budget_seconds=0.0) is None
     assert not (tmp_path / "other").exists()
     monkeypatch.setattr(module, "successor_prior", lambda target: None)

@@ -363,8 +363,12 @@ class LookaheadProposer:
         if successors is not None and not settings.carry:
             raise ValueError("a SuccessorTable to carry across generations was given with LookaheadSettings.carry "
                              "False; give settings with carry=True, or no table")
+        if prior is not None and not settings.prior:
+            raise ValueError("a SuccessorPrior was given with LookaheadSettings.prior False; give settings with "
+                             "prior=True, or no prior")
         self.settings = settings
-        self.prior = prior
+        # the prior of every table this proposer starts; a table given to it brings its own
+        self.prior = prior if prior is not None or successors is None else successors.prior
         # the recycled successors every greedy generation of this proposer reads and records (settings.carry), or
         # None: each generation starts its own. A table given here may be shared with other proposers.
         if successors is None and settings.carry and settings.recycled:
