@@ -131,11 +131,12 @@ class TextStream:
         return piece
 
 
-def encode_prompt(tokenizer, text: str) -> torch.Tensor:
-    """Token ids [P] of ``text`` as a user turn, through the chat template when the tokenizer has one."""
+def encode_prompt(tokenizer, text: str, **template_variables) -> torch.Tensor:
+    """Token ids [P] of ``text`` as a user turn, through the chat template when the tokenizer has one (rendered with
+    ``template_variables``, such as a ``date_string``)."""
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+                                            tokenize=True, return_dict=False, **template_variables)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return torch.tensor(ids, dtype=torch.long).reshape(-1)

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from runtime.assets import cache_dir
+from runtime.prompts import encode_prompt
 from runtime.proposers.lookahead import SUCCESSORS, SuccessorPrior
 from runtime.target import Target
 from runtime.tree import verification_mask
@@ -47,11 +48,7 @@ def prior_prefix(tokenizer, config=None) -> torch.Tensor:
     request where the tokenizer has a template (dated ``PRIOR_DATE`` where it prints a date), else the tokenizer's
     or the model ``config``'s beginning-of-sequence token, else their end-of-sequence token (a document boundary)."""
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": PRIOR_REQUEST}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False, date_string=PRIOR_DATE)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return torch.tensor(ids, dtype=torch.long).reshape(-1)
+        return encode_prompt(tokenizer, PRIOR_REQUEST, date_string=PRIOR_DATE)
     for name in ("bos_token_id", "eos_token_id"):
         for source in (tokenizer, config):
             token_id = getattr(source, name, None) if source is not None else None
