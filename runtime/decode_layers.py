@@ -12,8 +12,9 @@ Two ways to use them:
 - ``DecodeLayers(model)`` switches a target's layers only inside ``with layers.active():`` (the runtime's own
   forward passes), so a model a user hands to ``runtime.target.Target`` is stock whenever they use it.
 Off CPU, with gradients, or in a dtype a kernel does not take, every decode layer runs the stock computation. On a
-CPU with AVX512-BF16 both keep a packed copy of each bf16 linear weight (``PackedWeights``): memory for a second
-copy of those weights buys the packed kernel, the fastest product there from one row to a prefill.
+CPU with AVX512-BF16 or oneDNN's bf16 both keep a packed copy of each bf16 linear weight (``PackedWeights``): memory
+for a second copy of those weights buys the packed products (the AVX512-BF16 packed kernel or oneDNN's, AMX where
+the CPU has it), which of them and for which row counts timed on the machine at hand (``runtime.linear_plan``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from torch import nn
 
 from heads.common import FrozenProjection
 from runtime.kernels import (bf16_dot_linear, bf16_packed_linear, bf16_rows_linear, native_bf16_matmul,
-                             pack_bf16_weight, rms_norm_rows)
+                             onednn_bf16_linear, pack_bf16_weight, pack_onednn_weight, rms_norm_rows)
+from runtime.linear_plan import STOCK, LinearPlan, Product, default_plan, linear_plan
 
 # Row counts up to which ``decode_linear`` computes weight @ hidden^T: on the 2-core x86 CPUs this was tuned on, BLAS
 # streams a weight matrix from memory faster in that operand order for a few rows (scripts/bench_vocab_projection.py
@@ -48,8 +50,9 @@ NATIVE_BF16_KERNEL_MAX_ROWS = 8
 # (scripts/bench_bf16_rows.py measures all three).
 DOT_KERNEL_MAX_ROWS = 32
 
-# ... and up to which its packed form (runtime.kernels.bf16_packed_linear, over a packed copy of the weights) beats
-# PyTorch's bf16 product: with no per-output reduction it stays ahead through prefill-sized calls
+# ... and up to which its packed form (runtime.kernels.bf16_packed_linear, over a packed copy of the weights) computes
+# every layer where no plan was timed (a model too small to time, ``runtime.linear_plan``): with no per-output
+# reduction it stays ahead of PyTorch's bf16 product through prefill-sized calls on CPUs without AMX
 # (scripts/bench_bf16_rows.py --rows 64 128 256).
 PACKED_KERNEL_MAX_ROWS = 256
 
@@ -59,20 +62,34 @@ LLAMA_FORMULA_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralR
 
 
 class PackedWeights:
-    """Copies of bf16 weights in the packed layout of ``runtime.kernels.bf16_packed_linear``, made on a weight's first
-    use and again whenever it changes in place (its version counter moves) or the layer gets another tensor. The
-    weights themselves are never changed; the copies cost as much memory as the weights they pack."""
+    """Copies of bf16 weights in the packed layout ``plan.form`` names (``runtime.linear_plan``: the AVX512-BF16
+    kernel's blocks or oneDNN's), made on a weight's first use and again whenever it changes in place (its version
+    counter moves) or the layer gets another tensor, and the ``plan`` saying which products use them. The weights
+    themselves are never changed; the copies cost as much memory as the weights they pack."""
 
-    def __init__(self):
+    def __init__(self, plan: LinearPlan | None = None):
+        self.plan = plan if plan is not None else default_plan(PACKED_KERNEL_MAX_ROWS)
+        self._pack = pack_onednn_weight if self.plan.form == "onednn" else pack_bf16_weight
         self._copies: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
     def of(self, weight: torch.Tensor) -> torch.Tensor:
         """The packed copy of ``weight`` [N, K] bf16 as it is now."""
         entry = self._copies.get(id(weight))
         if entry is None or entry[0]() is not weight or entry[1] != weight._version:
-            entry = (weakref.ref(weight), weight._version, pack_bf16_weight(weight))
+            entry = (weakref.ref(weight), weight._version, self._pack(weight))
             self._copies[id(weight)] = entry
         return entry[2]
+
+    def linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """rows [M, K] @ weight [N, K]^T (+ bias) over the packed copy where the plan has it compute M rows of this
+        shape, else None (the stock rules compute it)."""
+        if not self.plan.packed(tuple(weight.shape), rows.shape[0]):
+            return None
+        if self.plan.form == "onednn":
+            kernel = onednn_bf16_linear()
+            return None if kernel is None else kernel(rows, self.of(weight), bias)
+        kernel = bf16_packed_linear()
+        return None if kernel is None else kernel(rows, self.of(weight), weight.shape[0], bias)
 
     def __len__(self) -> int:
         return len(self._copies)
@@ -83,9 +100,10 @@ def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     """hidden [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N]; equal to ``F.linear(hidden, weight, bias)``
     (in bfloat16, up to the order of the fp32 accumulation).
 
-    On a CPU with AVX512-BF16, bf16 rows go through its dot-product kernel: up to PACKED_KERNEL_MAX_ROWS over the
-    packed copy of the weight that ``packed`` keeps (``runtime.kernels.bf16_packed_linear``), or without one up to
-    DOT_KERNEL_MAX_ROWS over the weight as it is (``runtime.kernels.bf16_dot_linear``). Otherwise few rows go
+    With ``packed``, bf16 rows go through the packed copy of the weight it keeps where its plan says so
+    (``runtime.linear_plan``: the AVX512-BF16 packed kernel or oneDNN, chosen by timing on this machine). Otherwise,
+    on a CPU with AVX512-BF16, up to DOT_KERNEL_MAX_ROWS go through its dot-product kernel over the weight as it is
+    (``runtime.kernels.bf16_dot_linear``). Otherwise few rows go
     through ``weight @ hidden^T``, the rest (and anything that needs gradients, or runs off CPU) through F.linear.
     In bfloat16, 2-16 rows (and one row on a CPU with bf16 matrix instructions) go through the compiled AVX2 row
     kernel (``runtime.kernels``): PyTorch's bf16
@@ -97,9 +115,10 @@ def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         return F.linear(hidden, weight, bias)
     rows = hidden.numel() // hidden.shape[-1]
     bf16 = weight.dtype == hidden.dtype == torch.bfloat16
-    if bf16 and rows <= PACKED_KERNEL_MAX_ROWS and packed is not None and (kernel := bf16_packed_linear()) is not None:
-        out = kernel(hidden.reshape(rows, hidden.shape[-1]).contiguous(), packed.of(weight), weight.shape[0], bias)
-        return out.reshape(*hidden.shape[:-1], weight.shape[0])
+    if bf16 and packed is not None:
+        out = packed.linear(hidden.reshape(rows, hidden.shape[-1]).contiguous(), weight, bias)
+        if out is not None:
+            return out.reshape(*hidden.shape[:-1], weight.shape[0])
     if bf16 and rows <= DOT_KERNEL_MAX_ROWS and (dot := bf16_dot_linear()) is not None:
         out = dot(hidden.reshape(rows, hidden.shape[-1]).contiguous(), weight.contiguous(), bias)
         return out.reshape(*hidden.shape[:-1], weight.shape[0])
@@ -177,12 +196,42 @@ def decode_layer_classes(packed: PackedWeights | None = None) -> Callable[[type]
     return decode_class
 
 
+def linear_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weights of ``model``'s plain linear layers and frozen projections (the layers ``decode_layer_classes``
+    switches), each once, in the model's order."""
+    found: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        if type(module) in (nn.Linear, FrozenProjection) or isinstance(module, (DecodeLinear, DecodeFrozenProjection)):
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                found.setdefault(id(weight), weight)
+    return list(found.values())
+
+
+def packed_products() -> dict[str, Product]:
+    """The products ``runtime.linear_plan`` times on this CPU: each packed form that runs here, and the stock rules."""
+    products: dict[str, Product] = {}
+    if (blocks := bf16_packed_linear()) is not None:
+        products["blocks"] = (lambda w: (pack_bf16_weight(w), w.shape[0]),
+                              lambda x, packed: blocks(x, packed[0], packed[1], None))
+    if (onednn := onednn_bf16_linear()) is not None:
+        products["onednn"] = (pack_onednn_weight, lambda x, packed: onednn(x, packed, None))
+    if products:
+        products[STOCK] = (lambda w: w, lambda x, w: decode_linear(x, w))
+    return products
+
+
 def packed_weights_for(model: nn.Module) -> PackedWeights | None:
-    """A store of packed weights for ``model`` where the packed kernel runs and the model has bf16 weights on CPU,
-    else None."""
-    weights = [p for p in model.parameters() if p.dim() == 2]
-    useful = any(w.dtype == torch.bfloat16 and w.device.type == "cpu" for w in weights)
-    return PackedWeights() if useful and bf16_packed_linear() is not None else None
+    """A store of packed weights for ``model`` where a packed product runs and the model has bf16 linear weights on
+    CPU, with the plan timed for them on this machine (``runtime.linear_plan.linear_plan``, cached); else None."""
+    weights = [w for w in linear_weights(model) if w.dtype == torch.bfloat16 and w.device.type == "cpu"]
+    products = packed_products() if weights else {}
+    if not products:
+        return None
+    # a model too small to time keeps the blocks' default plan, where the blocks run
+    fallback = default_plan(PACKED_KERNEL_MAX_ROWS) if "blocks" in products else None
+    plan = linear_plan(weights, products, fallback)
+    return None if plan is None else PackedWeights(plan)
 
 
 def use_decode_layers(module: nn.Module) -> nn.Module:
@@ -211,8 +260,10 @@ class DecodeLayers:
                       if (fast := decode_class(type(layer))) is not None]
         if self.packed is not None:  # now rather than in the first pass, which would then cost many passes' time
             for layer, stock, _ in self.swaps:
-                if stock is nn.Linear and layer.weight.dtype == torch.bfloat16 and layer.weight.device.type == "cpu":
-                    self.packed.of(layer.weight)
+                weight = layer.weight if stock is nn.Linear else None
+                if (weight is not None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+                        and self.packed.plan.uses_packed(tuple(weight.shape))):
+                    self.packed.of(weight)
 
     @contextmanager
     def active(self):

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from runtime.decode_layers import DOT_KERNEL_MAX_ROWS, WEIGHT_MAJOR_MAX_ROWS, decode_linear
 from runtime.kernels import (KERNEL_CPU_CAPABILITIES, bf16_dot_linear, bf16_packed_linear, bf16_rows_linear,
-                             bf16_rows_matmul, decode_attention, decode_attention_avx2, pack_bf16_weight,
-                             rms_norm_rows)
+                             bf16_rows_matmul, decode_attention, decode_attention_avx2, onednn_bf16_linear,
+                             pack_bf16_weight, pack_onednn_weight, rms_norm_rows)
 
 
 def built_or_fail(accessor=bf16_rows_matmul):
@@ -201,6 +201,35 @@ def test_bf16_packed_linear_rejects_wrong_inputs():
         kernel(torch.randn(2, 8).bfloat16(), pack_bf16_weight(weight), 70, None)
     with pytest.raises(RuntimeError, match="packed weight"):
         kernel(torch.randn(2, 8).bfloat16(), weight, 40, None)
+
+
+def onednn_or_skip():
+    kernel = onednn_bf16_linear()
+    if kernel is None:
+        pytest.skip("oneDNN does not take bf16 on this CPU")
+    return kernel
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 33])
+@pytest.mark.parametrize("n, k", [(37, 64), (576, 576), (300, 101)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_onednn_bf16_linear_equals_fp32_product_then_one_rounding(rows, n, k, with_bias):
+    """oneDNN over a reordered copy of the weight (the product a linear plan may choose) against the fp32 reference:
+    a correct rounding of each fp32 sum, the weight untouched."""
+    kernel = onednn_or_skip()
+    generator = torch.Generator().manual_seed(rows * 1000 + n + k + with_bias)
+    x = torch.randn(rows, k, generator=generator).bfloat16()
+    weight = torch.randn(n, k, generator=generator).bfloat16()
+    kept = weight.clone()
+    bias = torch.randn(n, generator=generator).bfloat16() if with_bias else None
+    with torch.inference_mode():
+        got = kernel(x, pack_onednn_weight(weight), bias)
+    exact = x.float() @ weight.float().T + (0 if bias is None else bias.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    step = exact.abs().clamp_min(1e-3) * 2.0 ** -7
+    assert ((got.float() - exact).abs() <= 2 * step).all()
+    assert (got == exact.to(torch.bfloat16)).float().mean() > 0.9
+    assert torch.equal(weight, kept)
 
 
 @pytest.mark.parametrize("rows", [2, 4, 7, 24, 40])  # 40 rows: a prefill, the upcast product on CPUs without bf16 units

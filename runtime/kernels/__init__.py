@@ -9,6 +9,8 @@ Where it cannot be built, callers get None and keep PyTorch's own product.
 that have it: several times more rows per weight read before compute binds.
 ``bf16_packed_linear``: the same layer over a weight packed once by ``pack_bf16_weight`` (bf16_packed_rows.cpp), on the
 same CPUs: no per-output reduction, so many rows run near the instruction's rate.
+``onednn_bf16_linear``: the same layer through oneDNN over a weight reordered once by ``pack_onednn_weight``, where
+PyTorch's oneDNN takes bf16 (on CPUs with AMX its tile instructions: a few rows cost about what one row costs).
 ``decode_attention``: attention of a few bf16 query rows over a bf16 KV cache (decode_attention.cpp), tested against
 fp32 SDPA over the same values.
 ``rms_norm_rows``: the Llama-family RMSNorm over bf16 rows in one call (rms_norm.cpp), tested against the module.
@@ -201,3 +203,29 @@ def native_bf16_matmul() -> bool:
     product is fast; without them it converts operands piecewise and runs several times slower than fp32."""
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+
+
+@functools.cache
+def onednn_bf16_linear() -> Callable[..., torch.Tensor] | None:
+    """(x [M, K] bfloat16, packed (``pack_onednn_weight(weight)``), bias [N] or None) -> [M, N] bfloat16 through
+    PyTorch's oneDNN, or None where oneDNN is not built in or does not take bf16 on this CPU.
+
+    fp32 sums of exact products, one rounding: the reference it is tested against is
+    ``(x.float() @ weight.float().T + bias.float()).to(torch.bfloat16)``, equal up to summation order. PyTorch's own
+    ``F.linear`` reaches the same library but reorders the weight into its blocked layout at every call, which on a
+    decode step costs more than the product (scripts/bench_bf16_rows.py)."""
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if not torch.backends.mkldnn.is_available() or supported is None or not supported():
+        return None
+    product = torch.ops.mkldnn._linear_pointwise
+
+    def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return product(x, packed, bias, "none", [], "")
+
+    return linear
+
+
+def pack_onednn_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bfloat16 -> oneDNN's blocked copy of it for ``onednn_bf16_linear`` (an opaque tensor, as much
+    memory as the weight). A copy; the weight is untouched."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)

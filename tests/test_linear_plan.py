@@ -1,0 +1,120 @@
+"""Linear plans: which product computes each bf16 linear layer, chosen from timings; the choice by hand-built
+timings, the cache, and the products a plan picks giving the stock layer's values."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import runtime.decode_layers as decode_layers
+import runtime.linear_plan as linear_plan_module
+from runtime.decode_layers import PackedWeights, decode_linear
+from runtime.kernels import onednn_bf16_linear, pack_bf16_weight, pack_onednn_weight
+from runtime.linear_plan import STOCK, LinearPlan, choose_plan, default_plan, linear_plan, measure_linear_seconds
+
+SMALL, LARGE = (8, 4), (64, 4)
+
+
+def test_a_plan_reads_runs_of_row_counts_per_shape():
+    plan = LinearPlan("onednn", {SMALL: ((2, False), (16, True)), LARGE: ((4, True),)}, ((8, True),))
+    assert [plan.packed(SMALL, rows) for rows in (1, 2, 3, 16, 17)] == [False, False, True, True, False]
+    assert [plan.packed(LARGE, rows) for rows in (1, 4, 5)] == [True, True, False]
+    assert plan.packed((3, 3), 8) and not plan.packed((3, 3), 9)  # a shape not timed follows the default
+    assert plan.uses_packed(SMALL) and not LinearPlan("blocks", {SMALL: ((4, False),)}, ()).uses_packed(SMALL)
+    assert LinearPlan.from_json(plan.to_json()) == plan
+    with pytest.raises(ValueError, match="form"):
+        LinearPlan("amx", {}, ())
+
+
+def test_choose_plan_keeps_the_form_whose_best_products_sum_to_less():
+    """Each shape and row count takes the faster of the form and the stock rules; the form with the smaller sum
+    wins; a form not timed at a row count (too slow) leaves it to the stock rules."""
+    seconds = {
+        "blocks": {SMALL: {1: 1.0, 8: 5.0}, LARGE: {1: 10.0, 8: 50.0}},
+        "onednn": {SMALL: {1: 3.0, 8: 3.0}, LARGE: {1: 20.0}},  # LARGE at 8 rows: given up
+        STOCK: {SMALL: {1: 2.0, 8: 9.0}, LARGE: {1: 8.0, 8: 30.0}},
+    }
+    # blocks: 1 + 5 + 8 + 30 = 44; onednn: 2 + 3 + 8 + 30 = 43
+    plan = choose_plan(seconds)
+    assert plan.form == "onednn"
+    assert plan.choices == {SMALL: ((1, False), (8, True)), LARGE: ((8, False),)}
+    seconds["blocks"][LARGE][8] = 28.0  # now blocks: 1 + 5 + 8 + 28 = 42
+    plan = choose_plan(seconds)
+    assert plan.form == "blocks" and plan.choices == {SMALL: ((8, True),), LARGE: ((1, False), (8, True))}
+    tie = {"blocks": {SMALL: {1: 1.0}}, "onednn": {SMALL: {1: 1.0}}, STOCK: {SMALL: {1: 2.0}}}
+    assert choose_plan(tie).form == "blocks"
+    with pytest.raises(ValueError, match="packed form"):
+        choose_plan({STOCK: {SMALL: {1: 1.0}}})
+
+
+def test_measuring_gives_up_on_a_slow_form_but_times_the_stock_rules_everywhere():
+    weights = [torch.zeros(SMALL, dtype=torch.bfloat16), torch.zeros(LARGE, dtype=torch.bfloat16)]
+    calls = {"blocks": 0, STOCK: 0}
+
+    def slow(x, w):
+        calls["blocks"] += 1
+        time.sleep(0.002)
+        return x
+
+    def quick(x, w):
+        calls[STOCK] += 1
+        return x
+
+    products = {"blocks": (lambda w: w, slow), STOCK: (lambda w: w, quick)}
+    found = measure_linear_seconds(weights, products, rows=(1, 2, 4), repeats=2)
+    assert set(found[STOCK][SMALL]) == set(found[STOCK][LARGE]) == {1, 2, 4}
+    assert set(found["blocks"][SMALL]) == {1}  # more than twice as slow at 1 row: not timed further
+    assert calls["blocks"] == 2 * 3 and calls[STOCK] == 2 * 3 * 3  # (warm-up + 2 repeats) per count, per weight
+
+
+def test_a_plan_is_timed_once_per_machine_and_shapes_and_small_models_keep_the_fallback(monkeypatch, tmp_path):
+    monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path))
+    weights = [torch.zeros(SMALL, dtype=torch.bfloat16)]
+    products = {"blocks": (lambda w: w, lambda x, w: x), STOCK: (lambda w: w, lambda x, w: x)}
+    fallback = default_plan(4)
+    assert linear_plan(weights, products, fallback) is fallback  # far below MEASURE_MIN_BYTES
+    monkeypatch.setattr(linear_plan_module, "MEASURE_MIN_BYTES", 0)
+    timed = []
+    measured = {"blocks": {SMALL: {1: 1.0, 2: 1.0}}, STOCK: {SMALL: {1: 2.0, 2: 0.5}}}
+    monkeypatch.setattr(linear_plan_module, "measure_linear_seconds", lambda w, p: timed.append(1) or measured)
+    plan = linear_plan(weights, products, fallback)
+    assert plan == LinearPlan("blocks", {SMALL: ((1, True), (2, False))}, ((256, True),)) and timed == [1]
+    assert linear_plan(weights, products, fallback) == plan and timed == [1]  # read back, not timed again
+    (saved,) = (tmp_path / "linear_plans").glob("*.json")
+    saved.write_text("{not json")
+    assert linear_plan(weights, products, fallback) == plan and timed == [1, 1]  # a damaged file: timed again
+    assert linear_plan(weights, {STOCK: products[STOCK]}, fallback) is fallback  # no packed form runs here
+
+
+@pytest.mark.parametrize("form", ["blocks", "onednn"])
+def test_packed_weights_follow_their_plan_and_keep_the_values(monkeypatch, form):
+    """Where the plan says so, the packed copy in the plan's form computes the rows; elsewhere the stock rules do;
+    both give the bf16 product up to summation order."""
+    if form == "onednn" and onednn_bf16_linear() is None:
+        pytest.skip("oneDNN does not take bf16 on this CPU")
+    if form == "blocks" and decode_layers.bf16_packed_linear() is None:
+        pytest.skip("the packed AVX512-BF16 kernel needs a CPU with AVX512-BF16")
+    weight, bias = torch.randn(48, 64).bfloat16(), torch.randn(48).bfloat16()
+    store = PackedWeights(LinearPlan(form, {(48, 64): ((2, True),)}, ()))
+    packed_rows = []
+    real = store.linear
+
+    def counted(x, w, b):
+        out = real(x, w, b)
+        if out is not None:
+            packed_rows.append(x.shape[0])
+        return out
+
+    monkeypatch.setattr(store, "linear", counted)
+    for rows in (1, 2, 3):
+        hidden = torch.randn(rows, 64).bfloat16()
+        with torch.inference_mode():
+            got = decode_linear(hidden, weight, bias, store)
+        exact = hidden.float() @ weight.float().T + bias.float()
+        step = exact.abs().clamp_min(1e-3) * 2.0 ** -7
+        assert ((got.float() - exact).abs() <= 2 * step).all()
+    assert packed_rows == [1, 2]  # 3 rows: beyond the plan's run, the stock rules
+    expected = pack_onednn_weight(weight) if form == "onednn" else pack_bf16_weight(weight)
+    assert store.of(weight).shape == expected.shape and len(store) == 1
