@@ -15,6 +15,7 @@ target has one at all depends on its tokenizer and on how long measuring would t
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import time
@@ -61,14 +62,23 @@ def prior_prefix(tokenizer, config=None) -> torch.Tensor:
                      "(lookahead:W,N,G,R,C,0, or LookaheadSettings(prior=False))")
 
 
+class PriorTooSlow(Exception):
+    """Measuring a prior would take longer than the budget: ``projected_seconds``, from the first pass."""
+
+    def __init__(self, projected_seconds: float):
+        super().__init__(f"measuring the successor prior would take about {projected_seconds / 60:.0f} min")
+        self.projected_seconds = projected_seconds
+
+
 @torch.inference_mode()
 def measure_successor_prior(target: Target, prefix: torch.Tensor, rows: int = PRIOR_ROWS,
                             keep: int = SUCCESSORS, progress: bool = True,
-                            budget_seconds: float | None = None) -> SuccessorPrior | None:
+                            budget_seconds: float | None = None) -> SuccessorPrior:
     """The target's ``keep`` likeliest next tokens after each vocabulary token placed right after ``prefix`` [P],
     with their probabilities: ``rows`` tokens a pass over the prefix's cached K/V, each row seeing the prefix and
     itself at position P. Tokens are the model's input ids (the LM head may have more rows: those are never drafted
-    from). None when the first pass shows that all of them would take more than ``budget_seconds``."""
+    from). Raises ``PriorTooSlow`` when the first pass shows that all of them would take more than
+    ``budget_seconds``."""
     vocab = min(target.vocab_size, target.model.get_input_embeddings().num_embeddings)
     length, device = prefix.numel(), target.device
     keep = min(keep, vocab)
@@ -92,9 +102,7 @@ def measure_successor_prior(target: Target, prefix: torch.Tensor, rows: int = PR
         if start == 0 and budget_seconds is not None:
             projected = (time.perf_counter() - started) * len(starts)
             if projected > budget_seconds:
-                print(f"[headstart] the successor prior would take about {projected / 60:.0f} min on this device "
-                      f"(more than {budget_seconds / 60:.0f}); lookahead drafts without it", file=sys.stderr)
-                return None
+                raise PriorTooSlow(projected)
     return SuccessorPrior(tokens, probs)
 
 
@@ -102,6 +110,23 @@ def _prior_path(target: Target, prefix: torch.Tensor):
     key = (f"{target.identity}|{target.vocab_size}|{target.dtype}|{target.device.type}|{prefix.tolist()}|"
            f"k{SUCCESSORS}|v{PRIOR_VERSION}")
     return cache_dir() / "successor_priors" / f"{hashlib.sha1(key.encode()).hexdigest()[:12]}.safetensors"
+
+
+def _verdict_path(prior_path):
+    """Where the verdict that measuring the prior at ``prior_path`` takes too long on this machine is kept: a faster
+    machine sharing the cache measures it."""
+    from runtime.cost_model import machine_key
+
+    digest = hashlib.sha1(f"{prior_path.stem}|{machine_key(torch.device('cpu'))}".encode()).hexdigest()[:12]
+    return prior_path.parent / f"{digest}.too_slow.json"
+
+
+def _read_verdict(path) -> float | None:
+    """The projected seconds of an earlier verdict at ``path``, or None where there is none (or it does not read)."""
+    try:
+        return float(json.loads(path.read_text())["projected_seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _read_prior(path, vocab_size: int) -> SuccessorPrior | None:
@@ -120,7 +145,8 @@ def successor_prior(target: Target, prefix: torch.Tensor | None = None,
                     budget_seconds: float = PRIOR_BUDGET_SECONDS) -> SuccessorPrior | None:
     """The cached prior for this target after ``prefix`` [P] (default: ``prior_prefix`` of its tokenizer and config),
     measured on first use (one pass per ``PRIOR_ROWS`` vocabulary tokens); None, said on stderr, where the target
-    gives no prefix or measuring it would take more than ``budget_seconds``."""
+    gives no prefix or measuring it would take more than ``budget_seconds`` (on a CPU that verdict is cached for
+    the machine, so later processes skip the probing pass; a larger budget measures again)."""
     if prefix is None:
         try:
             prefix = prior_prefix(target.tokenizer, target.config)
@@ -132,9 +158,23 @@ def successor_prior(target: Target, prefix: torch.Tensor | None = None,
         saved = _read_prior(path, target.vocab_size)
         if saved is not None:
             return saved
+    verdict = _verdict_path(path) if target.device.type == "cpu" else None
+    projected = _read_verdict(verdict) if verdict is not None else None
+    if projected is not None and projected > budget_seconds:
+        print(f"[headstart] the successor prior would take about {projected / 60:.0f} min on this machine (measured "
+              f"earlier; more than {budget_seconds / 60:.0f}); lookahead drafts without it", file=sys.stderr)
+        return None
     print("[headstart] measuring the target's successor prior for lookahead (once) ...", file=sys.stderr)
-    prior = measure_successor_prior(target, prefix, budget_seconds=budget_seconds)
-    if prior is None:
+    try:
+        prior = measure_successor_prior(target, prefix, budget_seconds=budget_seconds)
+    except PriorTooSlow as slow:
+        print(f"[headstart] the successor prior would take about {slow.projected_seconds / 60:.0f} min on this "
+              f"device (more than {budget_seconds / 60:.0f}); lookahead drafts without it", file=sys.stderr)
+        if verdict is not None:  # later processes on this machine skip the probing pass
+            verdict.parent.mkdir(parents=True, exist_ok=True)
+            partial = verdict.with_suffix(f".{os.getpid()}.partial")
+            partial.write_text(json.dumps({"projected_seconds": slow.projected_seconds}))
+            os.replace(partial, verdict)
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.partial")  # processes measuring at once each write their own

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import runtime.proposers.lookahead as lookahead_module
 from runtime.decoder import SpeculativeDecoder
 from runtime.proposers.base import ProposeInput, start_generation
 from runtime.proposers import ProposerSpec, build_proposer
@@ -463,6 +464,14 @@ def test_a_prior_serves_tokens_never_recorded_and_mixes_into_a_tokens_entry():
         SuccessorPrior(torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 1))
 
 
+def test_a_priors_entries_read_as_tuples_are_kept_up_to_a_bound(monkeypatch):
+    monkeypatch.setattr(lookahead_module, "PRIOR_MEMO_CAPACITY", 2)
+    prior = SuccessorPrior(torch.tensor([[1], [2], [0]]), torch.tensor([[0.5], [0.25], [1.0]]))
+    assert [prior.entry(token) for token in (0, 1, 0)] == [((1, 0.5),), ((2, 0.25),), ((1, 0.5),)]
+    assert len(prior._entries) == 2
+    assert prior.entry(2) == ((0, 1.0),) and len(prior._entries) == 1  # full: dropped, then the new one kept
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_measured_prior_is_each_tokens_next_tokens_after_the_prefix(arch):
     """Many tokens share one pass over the prefix's cache, each row seeing the prefix and itself: the same top-k as
@@ -525,10 +534,16 @@ def test_successor_prior_is_measured_once_and_read_back(tmp_path, monkeypatch):
         LookaheadProposer(LookaheadSettings(1, 3, 1, 4, prior=False), prior=first)
     shared = SuccessorTable(prior=first)
     assert LookaheadProposer(LookaheadSettings(1, 3, 1, 4), successors=shared).prior is first  # sampled tables too
-    # a prior that would take too long on this device is not measured: lookahead goes without it, nothing cached
+    # a prior that would take too long on this device is not measured: lookahead goes without it, and later calls
+    # on this machine skip the probing pass; a larger budget measures it
     monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path / "other"))
     assert successor_prior(target, budget_seconds=0.0) is None
-    assert not (tmp_path / "other").exists()
+    assert not list((tmp_path / "other" / "successor_priors").glob("*.safetensors"))
+    assert len(list((tmp_path / "other" / "successor_priors").glob("*.too_slow.json"))) == 1
+    monkeypatch.setattr(module, "measure_successor_prior", measure)
+    assert successor_prior(target, budget_seconds=0.0) is None  # the verdict, without measuring
+    monkeypatch.setattr(module, "measure_successor_prior", real_measure)
+    assert torch.equal(successor_prior(target, budget_seconds=1e9).tokens, first.tokens)
     monkeypatch.setattr(module, "successor_prior", lambda target: None)
     assert LookaheadProposer.for_target(target, LookaheadSettings(1, 3, 1, 4)).successors.prior is None
     with pytest.raises(ValueError, match="prior must be True or False"):

@@ -88,6 +88,9 @@ RECENT_WEIGHT = 0.5
 # "A context-free prior for recycled successors").
 PRIOR_WEIGHT = 0.5
 PAIR_CAPACITY = 1 << 16  # a bound for long-running servers: about 1 KB of Python objects per entry
+# The prior's entries read as Python tuples are kept for reuse up to this many tokens (then dropped all at once): a
+# generation touches a few thousand tokens, and a server left running would otherwise hold the whole vocabulary's.
+PRIOR_MEMO_CAPACITY = 1 << 13
 RECYCLE_SCALE = 0.23
 RECYCLED_SIZES = (0, 1, 2, 3, 5, 7, 11, 15)
 
@@ -163,7 +166,8 @@ class NgramPool:
 
 class SuccessorPrior:
     """The target's top-k next tokens after each vocabulary token out of context (``runtime.successor_prior``):
-    tokens [V, K] long and probs [V, K] float, likeliest first. Entries are read as tuples when first asked for."""
+    tokens [V, K] long and probs [V, K] float, likeliest first. Entries are read as tuples when first asked for and
+    kept for reuse, up to ``PRIOR_MEMO_CAPACITY`` of them."""
 
     def __init__(self, tokens: torch.Tensor, probs: torch.Tensor):
         if tokens.ndim != 2 or tokens.shape != probs.shape:
@@ -178,6 +182,8 @@ class SuccessorPrior:
         if found is None:
             inside = 0 <= token < self.tokens.shape[0]
             found = tuple(zip(self.tokens[token].tolist(), self.probs[token].tolist())) if inside else ()
+            if len(self._entries) >= PRIOR_MEMO_CAPACITY:
+                self._entries.clear()
             self._entries[token] = found
         return found
 
