@@ -71,6 +71,8 @@ class PackedWeights:
         self.plan = plan if plan is not None else default_plan(PACKED_KERNEL_MAX_ROWS)
         self._pack = pack_onednn_weight if self.plan.form == "onednn" else pack_bf16_weight
         self._copies: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+        # the plan's answer for each (weight shape, rows) asked: a pass asks it for every layer
+        self._packed: dict[tuple[torch.Size, int], bool] = {}
 
     def of(self, weight: torch.Tensor) -> torch.Tensor:
         """The packed copy of ``weight`` [N, K] bf16 as it is now."""
@@ -83,7 +85,11 @@ class PackedWeights:
     def linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """rows [M, K] @ weight [N, K]^T (+ bias) over the packed copy where the plan has it compute M rows of this
         shape, else None (the stock rules compute it)."""
-        if not self.plan.packed(tuple(weight.shape), rows.shape[0]):
+        key = (weight.shape, rows.shape[0])
+        packed = self._packed.get(key)
+        if packed is None:
+            packed = self._packed[key] = self.plan.packed(tuple(weight.shape), rows.shape[0])
+        if not packed:
             return None
         if self.plan.form == "onednn":
             kernel = onednn_bf16_linear()

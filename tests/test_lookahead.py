@@ -15,7 +15,7 @@ import runtime.proposers.lookahead as lookahead_module
 from runtime.decoder import SpeculativeDecoder
 from runtime.proposers.base import ProposeInput, start_generation
 from runtime.proposers import ProposerSpec, build_proposer
-from runtime.proposers.lookahead import (SUCCESSORS, LookaheadProposer, NgramPool, SuccessorPrior,
+from runtime.proposers.lookahead import (SUCCESSORS, LookaheadProposer, NgramPool, SuccessorPrior, chunked_topk,
                                          SuccessorTable, blend_successors, choose_settings,
                                          expected_tokens, jacobi_update, pass_rows, record_successors, window_mask,
                                          window_ngrams, window_offsets, window_tokens)
@@ -554,3 +554,18 @@ def test_successor_prior_is_measured_once_and_read_back(tmp_path, monkeypatch):
     assert prior_prefix(None, SimpleNamespace(bos_token_id=None, eos_token_id=[7, 8])).tolist() == [7]
     with pytest.raises(ValueError, match="prior=False"):
         prior_prefix(None, SimpleNamespace())
+
+
+def test_chunked_topk_gives_topks_values_and_indices_that_hold_them():
+    """By hand: the two largest of a row lie in different chunks of 2, one of them past a width no multiple of the
+    chunk; then random rows (bf16 values, so with ties) of widths around the chunk against torch.topk."""
+    values, indices = chunked_topk(torch.tensor([[0.0, 5.0, 1.0, 2.0, 9.0]]), 2, chunk=2)
+    assert values.tolist() == [[9.0, 5.0]] and indices.tolist() == [[4, 1]]
+    generator = torch.Generator().manual_seed(0)
+    for width, k, chunk in [(49152, 8, 128), (1000, 8, 128), (300, 8, 128), (64, 8, 128), (37, 3, 4)]:
+        rows = torch.randn(5, width, generator=generator).bfloat16().float()
+        got, where = chunked_topk(rows, k, chunk)
+        expected = rows.topk(k, dim=-1).values
+        assert torch.equal(got, expected)
+        assert torch.equal(rows.gather(1, where), got)  # each index holds its value
+        assert all(len(set(row)) == k for row in where.tolist())  # k distinct positions
