@@ -9,6 +9,7 @@ keep it in the user's cache directory. An installed copy of the package is used 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -47,6 +48,17 @@ def cache_dir() -> Path:
         return Path(explicit).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "headstart"
+
+
+def write_json_atomically(path: Path, data) -> None:
+    """Write ``data`` as JSON to ``path`` (its folder made as needed) through a partial file of this process, swapped
+    in whole: a reader sees the old file or the new one, never a torn one, and processes writing at once do not
+    write into each other's partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(data, indent=1))
+    os.replace(partial, path)
 
 
 def _installed_copy(item: PackagedFile) -> Path | None:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from runtime.assets import write_json_atomically
 from runtime.peers import PeerDecoder, PeerMethod
 from runtime.proposers.spec import ProposerSpec
 
@@ -467,12 +468,6 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1000
 
 
-def write_atomically(path: Path, results: dict) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(results, indent=1))
-    partial.replace(path)
-
-
 def score_divergences(records, encoded, methods: dict[str, Method], models: HFModels) -> dict:
     """``divergence_report`` for a run's methods: each scored on the model it ran on (``models``: the run's HF
     models by dtype), against a float32 copy of the target."""
@@ -559,7 +554,7 @@ def run_benchmark(target, target_name: str, methods: dict[str, Method], prompts:
                 stats[name].identical += outputs[name] == outputs[BASELINE]
             records.append({"id": prompts[index]["id"], "outputs": outputs})
             # A long run keeps what it has measured: the file holds every finished prompt until the final write.
-            write_atomically(output, {"methods": summarize(stats, methods, decoders, temperature),
+            write_json_atomically(output, {"methods": summarize(stats, methods, decoders, temperature),
                                       "config": {**config, "n_prompts_done": index + 1}, "records": records})
 
         summary = summarize(stats, methods, decoders, temperature)
@@ -569,7 +564,7 @@ def run_benchmark(target, target_name: str, methods: dict[str, Method], prompts:
     finally:
         models.close()
     results = {"methods": summary, "config": config, "divergences": divergences, "records": records}
-    write_atomically(output, results)
+    write_json_atomically(output, results)
     plot_histograms(stats, Path(plot) if plot else output.with_suffix(".png"))
     return results
 
@@ -603,7 +598,7 @@ def rescore(path: str | Path, methods: dict[str, Method] | None = None, device: 
     encoded = [encode_prompt(target.tokenizer, prompts[record["id"]]) for record in results["records"]]
     models = HFModels(target, config["target"])
     results["divergences"] = score_divergences(results["records"], encoded, methods, models)
-    write_atomically(path, results)
+    write_json_atomically(path, results)
     return results["divergences"]
 
 
@@ -865,11 +860,11 @@ def run_batch_benchmark(target, target_name: str, methods: dict[str, Method], pr
                         outputs[name] = output_summary(outputs[name], reference)
                         stats[size][name].identical += outputs[name]["identical"]
             done += len(chunk)
-            write_atomically(output, {"methods": summarize_batch(stats, methods, decoders),
+            write_json_atomically(output, {"methods": summarize_batch(stats, methods, decoders),
                                       "config": {**config, "n_prompts_done": done}, "records": records[:done]})
         summary = summarize_batch(stats, methods, decoders)
     finally:
         models.close()
     results = {"methods": summary, "config": config, "records": records}
-    write_atomically(output, results)
+    write_json_atomically(output, results)
     return results

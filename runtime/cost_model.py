@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from runtime.assets import cache_dir
+from runtime.assets import cache_dir, write_json_atomically
 from runtime.proposers.base import sizes_own_tree
 from runtime.target import Target
 from runtime.tree import Tree, verification_mask
@@ -129,10 +129,7 @@ def cost_curve(target: Target, batch_size: int = 1) -> dict[int, float]:
           file=sys.stderr)
     sizes = SIZES if batch_size == 1 else BATCH_SIZES
     curve = measure_cost_curve(target, sizes=sizes, batch_size=batch_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(curve, indent=1))
-    os.replace(partial, path)
+    write_json_atomically(path, curve)
     return curve
 
 

@@ -266,10 +266,9 @@ class DecodeLayers:
                       if (fast := decode_class(type(layer))) is not None]
         if self.packed is not None:  # now rather than in the first pass, which would then cost many passes' time
             for layer, stock, _ in self.swaps:
-                weight = layer.weight if stock is nn.Linear else None
-                if (weight is not None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-                        and self.packed.plan.uses_packed(tuple(weight.shape))):
-                    self.packed.of(weight)
+                if (stock is nn.Linear and layer.weight.dtype == torch.bfloat16 and layer.weight.device.type == "cpu"
+                        and self.packed.plan.uses_packed(tuple(layer.weight.shape))):
+                    self.packed.of(layer.weight)
 
     @contextmanager
     def active(self):

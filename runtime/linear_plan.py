@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -26,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from runtime.assets import cache_dir, write_json_atomically
 
 # The two packed forms: the AVX512-BF16 kernel's blocks (runtime.kernels.pack_bf16_weight) and oneDNN's layout
 # (runtime.kernels.pack_onednn_weight).
@@ -159,7 +160,6 @@ def measure_linear_seconds(weights: list[torch.Tensor], products: dict[str, Prod
 
 
 def _plan_path(weights: list[torch.Tensor], forms: tuple[str, ...]):
-    from runtime.assets import cache_dir
     from runtime.cost_model import machine_key
 
     shapes = sorted({tuple(w.shape) for w in weights})
@@ -184,8 +184,5 @@ def linear_plan(weights: list[torch.Tensor], products: dict[str, Product],
             pass  # a damaged or older file: measured again below
     print("[headstart] timing the bf16 linear products on this machine (once) ...", file=sys.stderr)
     plan = choose_plan(measure_linear_seconds(weights, products))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.partial")
-    partial.write_text(json.dumps(plan.to_json(), indent=1))
-    os.replace(partial, path)
+    write_json_atomically(path, plan.to_json())
     return plan

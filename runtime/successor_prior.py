@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from runtime.assets import cache_dir
+from runtime.assets import cache_dir, write_json_atomically
 from runtime.prompts import encode_prompt
 from runtime.proposers.lookahead import SUCCESSORS, SuccessorPrior
 from runtime.target import Target
@@ -171,10 +171,7 @@ def successor_prior(target: Target, prefix: torch.Tensor | None = None,
         print(f"[headstart] the successor prior would take about {slow.projected_seconds / 60:.0f} min on this "
               f"device (more than {budget_seconds / 60:.0f}); lookahead drafts without it", file=sys.stderr)
         if verdict is not None:  # later processes on this machine skip the probing pass
-            verdict.parent.mkdir(parents=True, exist_ok=True)
-            partial = verdict.with_suffix(f".{os.getpid()}.partial")
-            partial.write_text(json.dumps({"projected_seconds": slow.projected_seconds}))
-            os.replace(partial, verdict)
+            write_json_atomically(verdict, {"projected_seconds": slow.projected_seconds})
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.partial")  # processes measuring at once each write their own

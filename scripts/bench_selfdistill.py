@@ -25,7 +25,8 @@ from tqdm import tqdm
 
 from heads.eagle3 import default_feature_layers
 from runtime.batched import BatchedDecoder
-from runtime.benchmark import machine_description, run_hf_batch, write_atomically
+from runtime.assets import write_json_atomically
+from runtime.benchmark import machine_description, run_hf_batch
 from runtime.prompts import batch_pad_token_id
 from runtime.proposers import build_proposer
 from runtime.proposers.base import NoProposer
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
         "target": conf.target.name, "dtype": args.dtype, "data": conf.data.source, "prompts": len(prompts),
         "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
         "torch": torch.__version__, "machine": machine_description(target.device)}}
-    write_atomically(Path(args.output), results)
+    write_json_atomically(Path(args.output), results)
     print("| method | tokens/s | vs HF generate | replies equal to plain decoding |\n|---|---:|---:|---:|")
     for name, row in summary.items():
         speedup = f"{row['speedup_vs_hf']:.2f}x" if row["speedup_vs_hf"] is not None else "-"

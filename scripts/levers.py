@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.benchmark import machine_description, write_atomically
+from runtime.assets import write_json_atomically
+from runtime.benchmark import machine_description
 from training.recorded import RecordedStore
 
 from cli import positive_int, usage_error  # scripts/cli.py
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
             if not only or slug(lever) in only:
                 print(f"{group}: {lever}", flush=True)
                 rows.append(run_lever(group, lever, fill, args.out))
-                write_atomically(args.results, {"rows": rows, "config": config})
+                write_json_atomically(args.results, {"rows": rows, "config": config})
     print(markdown_table(rows))
     return 0
 
