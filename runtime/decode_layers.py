@@ -13,8 +13,8 @@ Two ways to use them:
   forward passes), so a model a user hands to ``runtime.target.Target`` is stock whenever they use it.
 Off CPU, with gradients, or in a dtype a kernel does not take, every decode layer runs the stock computation. On a
 CPU with AVX512-BF16 or oneDNN's bf16 both keep a packed copy of each bf16 linear weight (``PackedWeights``): memory
-for a second copy of those weights buys the packed products (the AVX512-BF16 packed kernel or oneDNN's, AMX where
-the CPU has it), which of them and for which row counts timed on the machine at hand (``runtime.linear_plan``).
+for a second copy of those weights buys the packed products (the AVX512-BF16 packed kernel, the AMX tile kernel or
+oneDNN's), which of them and for which row counts timed on the machine at hand (``runtime.linear_plan``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads.common import FrozenProjection
-from runtime.kernels import (bf16_dot_linear, bf16_packed_linear, bf16_rows_linear, native_bf16_matmul,
-                             onednn_bf16_linear, pack_bf16_weight, pack_onednn_weight, rms_norm_rows)
+from runtime.kernels import (bf16_amx_linear, bf16_dot_linear, bf16_packed_linear, bf16_rows_linear,
+                             native_bf16_matmul, onednn_bf16_linear, pack_bf16_weight, pack_onednn_weight,
+                             rms_norm_rows)
 from runtime.linear_plan import STOCK, LinearPlan, Product, default_plan, linear_plan
 
 # Row counts up to which ``decode_linear`` computes weight @ hidden^T: on the 2-core x86 CPUs this was tuned on, BLAS
@@ -63,7 +64,7 @@ LLAMA_FORMULA_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralR
 
 class PackedWeights:
     """Copies of bf16 weights in the packed layout ``plan.form`` names (``runtime.linear_plan``: the AVX512-BF16
-    kernel's blocks or oneDNN's), made on a weight's first use and again whenever it changes in place (its version
+    kernel's blocks, which the AMX kernel reads too, or oneDNN's), made on a weight's first use and again whenever it changes in place (its version
     counter moves) or the layer gets another tensor, and the ``plan`` saying which products use them. The weights
     themselves are never changed; the copies cost as much memory as the weights they pack."""
 
@@ -94,7 +95,7 @@ class PackedWeights:
         if self.plan.form == "onednn":
             kernel = onednn_bf16_linear()
             return None if kernel is None else kernel(rows, self.of(weight), bias)
-        kernel = bf16_packed_linear()
+        kernel = bf16_amx_linear() if self.plan.form == "amx" else bf16_packed_linear()
         return None if kernel is None else kernel(rows, self.of(weight), weight.shape[0], bias)
 
     def __len__(self) -> int:
@@ -220,6 +221,9 @@ def packed_products() -> dict[str, Product]:
     if (blocks := bf16_packed_linear()) is not None:
         products["blocks"] = (lambda w: (pack_bf16_weight(w), w.shape[0]),
                               lambda x, packed: blocks(x, packed[0], packed[1], None))
+    if (amx := bf16_amx_linear()) is not None:  # over the blocks' layout
+        products["amx"] = (lambda w: (pack_bf16_weight(w), w.shape[0]),
+                           lambda x, packed: amx(x, packed[0], packed[1], None))
     if (onednn := onednn_bf16_linear()) is not None:
         products["onednn"] = (pack_onednn_weight, lambda x, packed: onednn(x, packed, None))
     if products:

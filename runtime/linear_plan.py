@@ -1,12 +1,13 @@
 """Which product each bf16 linear layer of a CPU decode pass runs, chosen by timing them on the machine at hand.
 
 A decode pass multiplies a few rows by every weight matrix, and on a CPU with bf16 instructions several products
-compute it: the packed AVX512-BF16 kernel over a copy of the weights in its block layout, oneDNN over a copy in
-its own layout (AMX tiles where the CPU has them), and the stock rules of ``runtime.decode_layers.decode_linear``
-(the unpacked dot-product kernel for a few rows, PyTorch's product beyond). Which is fastest differs between CPUs
-and with the row count: on Zen 4 (AVX512-BF16, no AMX) the packed kernel wins from one row to a prefill, while on a
-Xeon with AMX oneDNN's product costs about the same from 1 to 16 rows and the unpacked kernel wins below a few rows
-(``scripts/bench_bf16_rows.py`` times them all). So the runtime times them over the model's own weights, once per
+compute it: the packed AVX512-BF16 kernel over a copy of the weights in its block layout, the AMX tile kernel over
+the same layout (CPUs with AMX), oneDNN over a copy in its own layout (AMX tiles where the CPU has them), and the
+stock rules of ``runtime.decode_layers.decode_linear`` (the unpacked dot-product kernel for a few rows, PyTorch's
+product beyond). Which is fastest differs between CPUs and with the row count: on Zen 4 (AVX512-BF16, no AMX) the
+packed kernel wins from one row to a prefill, while on a Xeon with AMX the tile kernel costs about the same from 1
+to 16 rows, oneDNN too but with a fixed cost per call that a decode pass's two hundred calls feel, and the unpacked
+kernel wins at a row or two on some shapes (``scripts/bench_bf16_rows.py`` times them all). So the runtime times them over the model's own weights, once per
 machine and set of weight shapes, and caches the choice: a ``LinearPlan`` says which packed copy the model keeps (one
 form: a second copy of the weights is what packing costs) and, for each weight shape and row count, whether the
 packed copy or the stock rules compute it.
@@ -28,9 +29,9 @@ import torch
 
 from runtime.assets import cache_dir, write_json_atomically
 
-# The two packed forms: the AVX512-BF16 kernel's blocks (runtime.kernels.pack_bf16_weight) and oneDNN's layout
-# (runtime.kernels.pack_onednn_weight).
-FORMS = ("blocks", "onednn")
+# The packed forms: the AVX512-BF16 kernel's blocks (runtime.kernels.pack_bf16_weight), oneDNN's layout
+# (runtime.kernels.pack_onednn_weight), and the AMX kernel over the blocks' layout (runtime.kernels.bf16_amx_linear).
+FORMS = ("blocks", "onednn", "amx")
 STOCK = "stock"
 # Row counts timed: decode steps, trees, batches of trees and short prefills. Beyond the largest the stock rules run.
 PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
@@ -41,7 +42,7 @@ GIVE_UP_RATIO = 2.0
 # runs them (the weights sit in cache), and timing them would decide on noise.
 MEASURE_MIN_BYTES = 16 << 20
 # Part of the cache key: raised whenever a product or the rule for choosing changes.
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 
 Shape = tuple[int, int]  # a weight's [N, K]
 Runs = tuple[tuple[int, bool], ...]  # (up to rows, packed?) ascending by rows

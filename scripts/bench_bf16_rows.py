@@ -7,8 +7,9 @@ own random bf16 weights, so that the 270 MB stream from memory as in a real pass
 median milliseconds of --repeats passes per row count: PyTorch (``F.linear``), the AVX2 row kernel (runtime.kernels,
 what ``runtime.decode_layers.decode_linear`` uses for 2-16 bf16 rows on CPUs without AVX512-BF16) and, on CPUs with
 AVX512-BF16, the dot-product kernels: over the weights as they are (``bf16_dot_linear``) and over a packed copy
-(``bf16_packed_linear``), and where oneDNN takes bf16, oneDNN over a copy reordered once (``onednn_bf16_linear``; AMX
-tiles where the CPU has them). The runtime picks among the packed products per weight shape and row count by timing
+(``bf16_packed_linear``), on CPUs with AMX the tile kernel over the same packed copy (``bf16_amx_linear``), and
+where oneDNN takes bf16, oneDNN over a copy reordered once (``onednn_bf16_linear``; AMX tiles where the CPU has
+them). The runtime picks among the packed products per weight shape and row count by timing
 them on the machine at hand (runtime.linear_plan). Run it with nothing else on the machine.
 
     git show HEAD~1:runtime/kernels/bf16_dot_rows.cpp > earlier_dot_rows.cpp
@@ -31,9 +32,9 @@ from pathlib import Path
 
 import torch
 
-from runtime.kernels import (DOT_KERNEL_FLAGS, ROW_KERNEL_FLAGS, bf16_dot_linear, bf16_packed_linear,
-                             bf16_rows_linear, bf16_rows_matmul, build_source, onednn_bf16_linear, pack_bf16_weight,
-                             pack_onednn_weight)
+from runtime.kernels import (DOT_KERNEL_FLAGS, ROW_KERNEL_FLAGS, bf16_amx_linear, bf16_dot_linear,
+                             bf16_packed_linear, bf16_rows_linear, bf16_rows_matmul, build_source, onednn_bf16_linear,
+                             pack_bf16_weight, pack_onednn_weight)
 
 from bench_vocab_projection import median_ms  # scripts/bench_vocab_projection.py
 
@@ -66,6 +67,8 @@ def main(argv=None) -> int:
     columns = "| rows | F.linear ms | kernel ms | F.linear / kernel |" + (" AVX512-BF16 kernel ms | F.linear / it |"
                                                                         if dot is not None else "")
     columns += " packed kernel ms | F.linear / it |" if packed is not None else ""
+    amx = bf16_amx_linear()
+    columns += " AMX kernel ms | F.linear / it |" if amx is not None else ""
     onednn = onednn_bf16_linear()
     onednn_weights = [pack_onednn_weight(w) for w in weights] if onednn is not None else []
     columns += " oneDNN reordered ms | F.linear / it |" if onednn is not None else ""
@@ -83,6 +86,10 @@ def main(argv=None) -> int:
             packed_ms = median_ms(lambda: [packed(inputs[w.shape[1]], p, w.shape[0], None)
                                            for w, p in zip(weights, packed_weights)], args.repeats)
             line += f" {packed_ms:.1f} | {stock / packed_ms:.2f} |"
+        if amx is not None:
+            amx_ms = median_ms(lambda: [amx(inputs[w.shape[1]], p, w.shape[0], None)
+                                        for w, p in zip(weights, packed_weights)], args.repeats)
+            line += f" {amx_ms:.1f} | {stock / amx_ms:.2f} |"
         if onednn is not None:
             onednn_ms = median_ms(lambda: [onednn(inputs[w.shape[1]], p, None)
                                            for w, p in zip(weights, onednn_weights)], args.repeats)

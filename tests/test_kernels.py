@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from runtime.decode_layers import DOT_KERNEL_MAX_ROWS, WEIGHT_MAJOR_MAX_ROWS, decode_linear
-from runtime.kernels import (KERNEL_CPU_CAPABILITIES, bf16_dot_linear, bf16_packed_linear, bf16_rows_linear,
-                             bf16_rows_matmul, decode_attention, decode_attention_avx2, onednn_bf16_linear,
-                             pack_bf16_weight, pack_onednn_weight, rms_norm_rows)
+from runtime.kernels import (KERNEL_CPU_CAPABILITIES, bf16_amx_linear, bf16_dot_linear, bf16_packed_linear,
+                             bf16_rows_linear, bf16_rows_matmul, decode_attention, decode_attention_avx2,
+                             onednn_bf16_linear, pack_bf16_weight, pack_onednn_weight, rms_norm_rows)
 
 
 def built_or_fail(accessor=bf16_rows_matmul):
@@ -135,21 +135,33 @@ def test_pack_bf16_weight_layout_by_hand():
     assert weight[0, 0] == 0.0 and weight.shape == (35, 3)  # the weight itself is untouched
 
 
-def packed_kernel_or_skip():
-    """The packed AVX512-BF16 kernel, on the same CPUs as the unpacked one."""
+# The kernels over pack_bf16_weight's layout: AVX512-BF16's dot product, and AMX tiles.
+PACKED_KERNELS = ("blocks", "amx")
+
+
+def packed_kernel_or_skip(which: str = "blocks"):
+    """The packed AVX512-BF16 kernel, on the same CPUs as the unpacked one; or the AMX kernel, on CPUs with AMX."""
     dot_kernel_or_skip()
+    if which == "amx":
+        if not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+            pytest.skip("the AMX kernel needs a CPU with AMX tiles")
+        kernel = bf16_amx_linear()
+        assert kernel is not None, "bf16_amx_linear: the kernel did not build, or Linux refused the tile state"
+        return kernel
     kernel = bf16_packed_linear()
     assert kernel is not None, "bf16_packed_linear: the kernel did not build on a CPU with AVX512-BF16"
     return kernel
 
 
-# rows across the row blocks (12 at most, split evenly: 13 = 6 + 7), N across the 32-column blocks and their
-# 16-column halves, K odd (a zero pads the last pair) and shorter than a pair
-@pytest.mark.parametrize("rows", [1, 3, 12, 13, 16, 32])
-@pytest.mark.parametrize("n, k", [(37, 64), (576, 576), (300, 101), (7, 1), (48, 20)])
+# rows across the row blocks (12 at most for the dot product, split evenly: 13 = 6 + 7; 16 per AMX tile), N across
+# the 32-column blocks, their 16-column halves and AMX's pairs of blocks, K odd (a zero pads the last pair), shorter
+# than a pair, shorter than an AMX tile (32) and past whole tiles (600 = 18 tiles and 12 pairs)
+@pytest.mark.parametrize("which", PACKED_KERNELS)
+@pytest.mark.parametrize("rows", [1, 3, 12, 13, 16, 17, 32])
+@pytest.mark.parametrize("n, k", [(37, 64), (576, 576), (300, 101), (7, 1), (48, 20), (100, 600)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bf16_packed_linear_equals_fp32_product_then_one_rounding(rows, n, k, with_bias):
-    kernel = packed_kernel_or_skip()
+def test_bf16_packed_linear_equals_fp32_product_then_one_rounding(which, rows, n, k, with_bias):
+    kernel = packed_kernel_or_skip(which)
     generator = torch.Generator().manual_seed(rows * 1000 + n + k + with_bias)
     x = torch.randn(rows, k, generator=generator).bfloat16()
     weight = torch.randn(n, k, generator=generator).bfloat16()
@@ -162,10 +174,11 @@ def test_bf16_packed_linear_equals_fp32_product_then_one_rounding(rows, n, k, wi
     assert (got == exact.to(torch.bfloat16)).float().mean() > 0.99  # only the summation order differs
 
 
-def test_bf16_packed_linear_rows_do_not_depend_on_their_neighbours():
+@pytest.mark.parametrize("which", PACKED_KERNELS)
+def test_bf16_packed_linear_rows_do_not_depend_on_their_neighbours(which):
     """Each output is its own row's sum in one order, so a row alone and the same row among 31 others agree bit
     for bit (sampling at batch > 1 relies on it)."""
-    kernel = packed_kernel_or_skip()
+    kernel = packed_kernel_or_skip(which)
     generator = torch.Generator().manual_seed(7)
     x = torch.randn(32, 576, generator=generator).bfloat16()
     packed = pack_bf16_weight(torch.randn(100, 576, generator=generator).bfloat16())
@@ -175,8 +188,9 @@ def test_bf16_packed_linear_rows_do_not_depend_on_their_neighbours():
         assert torch.equal(alone[0].view(torch.int16), together[row].view(torch.int16))
 
 
-def test_bf16_packed_linear_rounds_as_tensor_to_and_keeps_nan():
-    kernel = packed_kernel_or_skip()
+@pytest.mark.parametrize("which", PACKED_KERNELS)
+def test_bf16_packed_linear_rounds_as_tensor_to_and_keeps_nan(which):
+    kernel = packed_kernel_or_skip(which)
     x = torch.zeros(2, 2).bfloat16()
     x[0, 0], x[1, 0] = 1.0, float("nan")
     weight = torch.zeros(3, 2).bfloat16()
@@ -190,8 +204,9 @@ def test_bf16_packed_linear_rounds_as_tensor_to_and_keeps_nan():
     assert got[1].isnan().all()
 
 
-def test_bf16_packed_linear_rejects_wrong_inputs():
-    kernel = packed_kernel_or_skip()
+@pytest.mark.parametrize("which", PACKED_KERNELS)
+def test_bf16_packed_linear_rejects_wrong_inputs(which):
+    kernel = packed_kernel_or_skip(which)
     weight = torch.randn(40, 8).bfloat16()
     with pytest.raises(RuntimeError, match="bfloat16 rows"):
         kernel(torch.randn(2, 8), pack_bf16_weight(weight), 40, None)

@@ -25,7 +25,7 @@ def test_a_plan_reads_runs_of_row_counts_per_shape():
     assert plan.uses_packed(SMALL) and not LinearPlan("blocks", {SMALL: ((4, False),)}, ()).uses_packed(SMALL)
     assert LinearPlan.from_json(plan.to_json()) == plan
     with pytest.raises(ValueError, match="form"):
-        LinearPlan("amx", {}, ())
+        LinearPlan("tiles", {}, ())
 
 
 def test_choose_plan_keeps_the_form_whose_best_products_sum_to_less():
@@ -88,7 +88,7 @@ def test_a_plan_is_timed_once_per_machine_and_shapes_and_small_models_keep_the_f
     assert linear_plan(weights, {STOCK: products[STOCK]}, fallback) is fallback  # no packed form runs here
 
 
-@pytest.mark.parametrize("form", ["blocks", "onednn"])
+@pytest.mark.parametrize("form", ["blocks", "onednn", "amx"])
 def test_packed_weights_follow_their_plan_and_keep_the_values(monkeypatch, form):
     """Where the plan says so, the packed copy in the plan's form computes the rows; elsewhere the stock rules do;
     both give the bf16 product up to summation order."""
@@ -96,6 +96,8 @@ def test_packed_weights_follow_their_plan_and_keep_the_values(monkeypatch, form)
         pytest.skip("oneDNN does not take bf16 on this CPU")
     if form == "blocks" and decode_layers.bf16_packed_linear() is None:
         pytest.skip("the packed AVX512-BF16 kernel needs a CPU with AVX512-BF16")
+    if form == "amx" and decode_layers.bf16_amx_linear() is None:
+        pytest.skip("the AMX kernel needs a CPU with AMX tiles")
     weight, bias = torch.randn(48, 64).bfloat16(), torch.randn(48).bfloat16()
     store = PackedWeights(LinearPlan(form, {(48, 64): ((2, True),)}, ()))
     packed_rows = []

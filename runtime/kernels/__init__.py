@@ -9,6 +9,8 @@ Where it cannot be built, callers get None and keep PyTorch's own product.
 that have it: several times more rows per weight read before compute binds.
 ``bf16_packed_linear``: the same layer over a weight packed once by ``pack_bf16_weight`` (bf16_packed_rows.cpp), on the
 same CPUs: no per-output reduction, so many rows run near the instruction's rate.
+``bf16_amx_linear``: the same layer over the same packed weight with AMX tiles (bf16_amx_rows.cpp), on CPUs that
+have them: up to 16 rows per tile product, so a few rows cost what one row costs.
 ``onednn_bf16_linear``: the same layer through oneDNN over a weight reordered once by ``pack_onednn_weight``, where
 PyTorch's oneDNN takes bf16 (on CPUs with AMX its tile instructions: a few rows cost about what one row costs).
 ``decode_attention``: attention of a few bf16 query rows over a bf16 KV cache (decode_attention.cpp), tested against
@@ -32,6 +34,7 @@ KERNEL_CPU_CAPABILITIES = ("AVX2", "AVX512")  # torch.backends.cpu.get_cpu_capab
 # the instruction sets each kernel is written for: the AVX2 kernels, and the AVX512-BF16 dot-product kernel
 ROW_KERNEL_FLAGS = ("-mavx2", "-mfma")
 DOT_KERNEL_FLAGS = ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
+AMX_KERNEL_FLAGS = (*DOT_KERNEL_FLAGS, "-mamx-tile", "-mamx-bf16")
 
 
 @functools.cache
@@ -155,6 +158,24 @@ def bf16_packed_linear() -> Callable[..., torch.Tensor] | None:
         return None
     module = _compiled("bf16_packed_rows.cpp", "bf16 rows use the unpacked dot-product kernel", DOT_KERNEL_FLAGS)
     return None if module is None else module.bf16_packed_linear
+
+
+@functools.cache
+def bf16_amx_linear() -> Callable[..., torch.Tensor] | None:
+    """(x [M, K] bfloat16, packed (``pack_bf16_weight(weight)``), N, bias [N] or None) -> [M, N] bfloat16 through
+    AMX tiles, or None where the CPU lacks AMX-BF16, Linux does not grant the tile state, or it cannot be built.
+
+    fp32 sums of exact products, the bias added in fp32, one rounding: the reference it is tested against is
+    ``(x.float() @ weight.float().T + bias.float()).to(torch.bfloat16)``, equal up to summation order. A row's
+    outputs never depend on the other rows of the call.
+    """
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    if not amx or bf16_dot_linear() is None:  # the tail of k runs on AVX512-BF16
+        return None
+    module = _compiled("bf16_amx_rows.cpp", "bf16 rows use the other products", AMX_KERNEL_FLAGS)
+    if module is None or not module.enable_amx():
+        return None
+    return module.bf16_amx_linear
 
 
 @functools.cache
