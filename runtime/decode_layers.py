@@ -64,9 +64,10 @@ LLAMA_FORMULA_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralR
 
 class PackedWeights:
     """Copies of bf16 weights in the packed layout ``plan.form`` names (``runtime.linear_plan``: the AVX512-BF16
-    kernel's blocks, which the AMX kernel reads too, or oneDNN's), made on a weight's first use and again whenever it changes in place (its version
-    counter moves) or the layer gets another tensor, and the ``plan`` saying which products use them. The weights
-    themselves are never changed; the copies cost as much memory as the weights they pack."""
+    kernel's blocks, which the AMX kernel reads too, or oneDNN's), made on a weight's first use and again whenever
+    it changes in place (its version counter moves) or the layer gets another tensor, and the ``plan`` saying which
+    products use them. The weights themselves are never changed; the copies cost as much memory as the weights they
+    pack."""
 
     def __init__(self, plan: LinearPlan | None = None):
         self.plan = plan if plan is not None else default_plan(PACKED_KERNEL_MAX_ROWS)

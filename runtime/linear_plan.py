@@ -6,9 +6,10 @@ the same layout (CPUs with AMX), oneDNN over a copy in its own layout (AMX tiles
 stock rules of ``runtime.decode_layers.decode_linear`` (the unpacked dot-product kernel for a few rows, PyTorch's
 product beyond). Which is fastest differs between CPUs and with the row count: on Zen 4 (AVX512-BF16, no AMX) the
 packed kernel wins from one row to a prefill, while on a Xeon with AMX the tile kernel costs about the same from 1
-to 16 rows, oneDNN too but with a fixed cost per call that a decode pass's two hundred calls feel, and the unpacked
-kernel wins at a row or two on some shapes (``scripts/bench_bf16_rows.py`` times them all). So the runtime times them over the model's own weights, once per
-machine and set of weight shapes, and caches the choice: a ``LinearPlan`` says which packed copy the model keeps (one
+to 16 rows (and little more to 32), oneDNN too but with a fixed cost per call that a decode pass's two hundred calls
+feel, and the unpacked kernel wins at a row or two on some shapes (``scripts/bench_bf16_rows.py`` times them all).
+So the runtime times them over the model's own weights, once per machine and set of weight shapes, and caches the
+choice: a ``LinearPlan`` says which packed copy the model keeps (one
 form: a second copy of the weights is what packing costs) and, for each weight shape and row count, whether the
 packed copy or the stock rules compute it.
 
@@ -42,7 +43,7 @@ GIVE_UP_RATIO = 2.0
 # runs them (the weights sit in cache), and timing them would decide on noise.
 MEASURE_MIN_BYTES = 16 << 20
 # Part of the cache key: raised whenever a product or the rule for choosing changes.
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 
 Shape = tuple[int, int]  # a weight's [N, K]
 Runs = tuple[tuple[int, bool], ...]  # (up to rows, packed?) ascending by rows

@@ -412,6 +412,21 @@ def test_a_build_lock_left_by_a_killed_build_falls_back_instead_of_waiting(monke
     assert lock.exists()  # not ours to delete
 
 
+def test_a_changed_header_names_another_build(monkeypatch, tmp_path):
+    """torch's loader rebuilds a kernel when its source changes, not when a header it includes does; the headers'
+    hash in the build's name makes a changed header build anew."""
+    import runtime.kernels as kernels
+
+    monkeypatch.setattr(kernels, "SOURCE_DIR", tmp_path)
+    (tmp_path / "shared.h").write_text("constexpr int kRows = 12;\n")
+    (tmp_path / "kernel.cpp").write_text("// not a header\n")
+    before = kernels._headers_hash.__wrapped__()
+    (tmp_path / "kernel.cpp").write_text("// changed, but torch sees this one\n")
+    assert kernels._headers_hash.__wrapped__() == before
+    (tmp_path / "shared.h").write_text("constexpr int kRows = 16;\n")
+    assert kernels._headers_hash.__wrapped__() != before
+
+
 def test_cpus_with_avx512_bf16_run_the_attention_build_made_for_them():
     from runtime.kernels import avx512_bf16_kernels
 

@@ -22,6 +22,7 @@ fp32 SDPA over the same values.
 from __future__ import annotations
 
 import functools
+import hashlib
 import time
 import warnings
 from pathlib import Path
@@ -44,7 +45,9 @@ def _compiled(source: str, fallback: str, isa_flags: tuple[str, ...] = ROW_KERNE
     the CPU has them beyond AVX2); ``variant`` names a second build of the same source with other flags."""
     if torch.backends.cpu.get_cpu_capability() not in KERNEL_CPU_CAPABILITIES:
         return None  # the kernels are written with AVX2/FMA intrinsics
-    name = f"headstart_{Path(source).stem}" + (f"_{variant}" if variant else "")
+    # torch's loader rebuilds when a source changes, not when a header it includes does: the headers' hash is part of
+    # the name, so a changed header builds anew instead of loading a stale build
+    name = f"headstart_{Path(source).stem}" + (f"_{variant}" if variant else "") + f"_{_headers_hash()}"
     stale = _stale_build_lock(name)
     if stale is not None:
         warnings.warn(f"the kernel {source} is not built: {stale} is left from a build that was killed, and the "
@@ -57,6 +60,15 @@ def _compiled(source: str, fallback: str, isa_flags: tuple[str, ...] = ROW_KERNE
         warnings.warn(f"the kernel {source} could not be built ({type(error).__name__}: {error}); {fallback}",
                       stacklevel=3)
         return None
+
+
+@functools.cache
+def _headers_hash() -> str:
+    """A short hash of the kernels' shared headers (the .h files beside them)."""
+    digest = hashlib.sha1()
+    for header in sorted(SOURCE_DIR.glob("*.h")):
+        digest.update(header.name.encode() + header.read_bytes())
+    return digest.hexdigest()[:8]
 
 
 def build_source(path: Path, name: str, isa_flags: tuple[str, ...]):

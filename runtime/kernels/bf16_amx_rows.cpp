@@ -6,10 +6,10 @@
 // product but spends about 20 microseconds a call around it, about as long as a small layer's product
 // (scripts/bench_bf16_rows.py times both); this kernel reads the packed layout as it is.
 //
-// Packed layout (runtime.kernels.pack_bf16_weight): [ceil(N / 32), ceil(K / 2), 32, 2] bf16, element [b, p, c, e] =
-// w[32 b + c, 2 p + e]. A weight tile (16 k pairs by 16 columns, each row the 64 bytes of one pair of k for 16
-// columns: AMX's pair-interleaved layout) is that layout's rows with a stride of 128 bytes; the rows' tile is x's
-// rows with their own stride. k pairs beyond the last whole tile of 16 are added with AVX512-BF16's dot product.
+// Packed layout (bf16_packed.h): [ceil(N / 32), ceil(K / 2), 32, 2] bf16, element [b, p, c, e] = w[32 b + c,
+// 2 p + e]. A weight tile (16 k pairs by 16 columns, each row the 64 bytes of one pair of k for 16 columns: AMX's
+// pair-interleaved layout) is that layout's rows at a stride of 128 bytes; a tile of rows is x's rows at their own
+// stride. k pairs beyond the last whole tile of 16 are added with AVX512-BF16's dot product.
 // Built only on CPUs that report AMX-BF16 (runtime.kernels).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -18,7 +18,7 @@
 #include <unistd.h>
 
 #include "avx512_round.h"
-#include "bf16_linear.h"
+#include "bf16_packed.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -26,13 +26,15 @@
 
 namespace {
 
-constexpr int64_t kBlockCols = 32;  // output columns per packed block
-constexpr int64_t kTileRows = 16;   // rows of x per tile product
+constexpr int64_t kBlockCols = kPackedBlockCols;
+constexpr int64_t kTileRows = 16;   // rows of x per tile
 constexpr int64_t kTilePairs = 16;  // k pairs per tile product: 32 bf16 of each row, 64 bytes
 constexpr int64_t kGroupCols = 16;  // output columns per accumulator tile
-constexpr int kMaxGroups = 4;       // accumulator tiles per pass over k: two packed blocks
+constexpr int64_t kStepRows = 2 * kTileRows;    // rows of a step: two row tiles sharing each weight tile ...
+constexpr int64_t kStepCols = 4 * kGroupCols;   // ... or one row tile against two blocks' four groups
 
-// Tiles: 0 holds rows of x, 1-4 accumulate four groups of 16 columns, 5 and 6 hold weight tiles.
+// Tiles: 0 and 7 hold rows of x (the step's first and second 16), 5 and 6 weight tiles, and 1-4 the accumulators:
+// four groups of 16 columns for one row tile, or two groups for each of two row tiles.
 struct alignas(64) TileConfig {
   uint8_t palette_id;
   uint8_t start_row;
@@ -41,25 +43,18 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-void configure_tiles(int64_t rows) {
+// Tile shapes for a step of `first` rows (1-16) and `second` more (0-16: 0 is a step of one row tile).
+void configure_tiles(int64_t first, int64_t second) {
   TileConfig config;
   std::memset(&config, 0, sizeof(config));
   config.palette_id = 1;
-  for (int t = 0; t <= 4; ++t) {
-    config.rows[t] = static_cast<uint8_t>(rows);
-    config.colsb[t] = 64;
-  }
-  for (int t = 5; t <= 6; ++t) {
-    config.rows[t] = kTilePairs;
-    config.colsb[t] = 64;
+  const int64_t rows[8] = {first, first, first, second > 0 ? second : first, second > 0 ? second : first,
+                           kTilePairs, kTilePairs, second};
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = static_cast<uint8_t>(rows[t]);
+    config.colsb[t] = rows[t] > 0 ? 64 : 0;
   }
   _tile_loadconfig(&config);
-}
-
-inline __m512bh pair_of(const uint16_t* x) {  // x[0], x[1] broadcast to every lane
-  int32_t bits;
-  std::memcpy(&bits, x, sizeof(bits));
-  return (__m512bh)_mm512_set1_epi32(bits);
 }
 
 // The weight tile of group g (block g / 2, columns 16 (g % 2) ..) at the tile of k pairs starting at pair p.
@@ -67,38 +62,49 @@ inline const uint16_t* weight_tile(const uint16_t* blocks, int64_t pairs, int g,
   return blocks + (g / 2) * pairs * 2 * kBlockCols + p * 2 * kBlockCols + (g % 2) * 2 * kGroupCols;
 }
 
-// `rows` rows of x (row stride x_stride elements) times GROUPS groups of 16 columns from `blocks` (the first of one
-// or two packed blocks) over the whole tiles of k -> sums[rows, 64] fp32 (the first 16 GROUPS columns written).
-template <int GROUPS>
+// ROW_TILES tiles of rows of x (row stride x_stride elements) times GROUPS groups of 16 columns from `blocks` (the
+// first of one or two packed blocks) over the whole tiles of k -> sums [32, 64] fp32: row m, column 16 g + c.
+// ROW_TILES x GROUPS is 1 x 2, 1 x 4 or 2 x 2: accumulator 1 + GROUPS r + g holds row tile r, group g.
+template <int ROW_TILES, int GROUPS>
 void tile_products(const uint16_t* x, int64_t x_stride, const uint16_t* blocks, int64_t pairs, int64_t tiles,
                    float* sums) {
+  static_assert(ROW_TILES * GROUPS <= 4 && (ROW_TILES == 1 || GROUPS == 2), "four accumulator tiles");
   _tile_zero(1);
   _tile_zero(2);
-  if constexpr (GROUPS > 2) {
+  if constexpr (ROW_TILES * GROUPS > 2) {
     _tile_zero(3);
     _tile_zero(4);
   }
-  const int64_t weight_stride = 2 * kBlockCols * sizeof(uint16_t);
+  const int64_t x_bytes = x_stride * sizeof(uint16_t), weight_stride = 2 * kBlockCols * sizeof(uint16_t);
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t p = t * kTilePairs;
-    _tile_loadd(0, x + 2 * p, x_stride * sizeof(uint16_t));
+    _tile_loadd(0, x + 2 * p, x_bytes);
+    if constexpr (ROW_TILES == 2) _tile_loadd(7, x + kTileRows * x_stride + 2 * p, x_bytes);
     _tile_loadd(5, weight_tile(blocks, pairs, 0, p), weight_stride);
     _tile_loadd(6, weight_tile(blocks, pairs, 1, p), weight_stride);
     _tile_dpbf16ps(1, 0, 5);
     _tile_dpbf16ps(2, 0, 6);
-    if constexpr (GROUPS > 2) {
+    if constexpr (ROW_TILES == 2) {
+      _tile_dpbf16ps(3, 7, 5);
+      _tile_dpbf16ps(4, 7, 6);
+    }
+    if constexpr (GROUPS == 4) {
       _tile_loadd(5, weight_tile(blocks, pairs, 2, p), weight_stride);
       _tile_loadd(6, weight_tile(blocks, pairs, 3, p), weight_stride);
       _tile_dpbf16ps(3, 0, 5);
       _tile_dpbf16ps(4, 0, 6);
     }
   }
-  const int64_t sums_stride = kMaxGroups * kGroupCols * sizeof(float);
-  _tile_stored(1, sums, sums_stride);
-  _tile_stored(2, sums + kGroupCols, sums_stride);
-  if constexpr (GROUPS > 2) {
-    _tile_stored(3, sums + 2 * kGroupCols, sums_stride);
-    _tile_stored(4, sums + 3 * kGroupCols, sums_stride);
+  const int64_t sums_bytes = kStepCols * sizeof(float);
+  _tile_stored(1, sums, sums_bytes);
+  _tile_stored(2, sums + kGroupCols, sums_bytes);
+  if constexpr (ROW_TILES == 2) {
+    _tile_stored(3, sums + kTileRows * kStepCols, sums_bytes);
+    _tile_stored(4, sums + kTileRows * kStepCols + kGroupCols, sums_bytes);
+  }
+  if constexpr (GROUPS == 4) {
+    _tile_stored(3, sums + 2 * kGroupCols, sums_bytes);
+    _tile_stored(4, sums + 3 * kGroupCols, sums_bytes);
   }
 }
 
@@ -118,50 +124,41 @@ bool enable_amx() {
 // output depends on its own row only, never on how many rows share the call. enable_amx() must have returned true.
 torch::Tensor bf16_amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                               const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(2) == kBlockCols && packed.size(3) == 2,
-              "expected x [M, K] and a packed weight [ceil(N / 32), ceil(K / 2), 32, 2]");
-  TORCH_CHECK(packed.size(0) == (N + kBlockCols - 1) / kBlockCols && packed.size(1) == (x.size(1) + 1) / 2,
-              "the packed weight's shape does not match x [M, K] and N");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16,
-              "expected bfloat16 rows and a bfloat16 packed weight");
-  TORCH_CHECK(x.is_contiguous() && packed.is_contiguous() && x.device().is_cpu() && packed.device().is_cpu(),
-              "expected contiguous CPU tensors");
-  const int64_t M = x.size(0), pairs = packed.size(1), blocks = packed.size(0);
-  // an odd K reads one element past each row: widen the rows with a zero, which the packed zeros multiply
-  const torch::Tensor rows = x.size(1) % 2 == 0 ? x : torch::constant_pad_nd(x, {0, 1});
-  const int64_t x_stride = rows.size(1);
-  torch::Tensor bias_fp32 = linear_bias_fp32(bias, N);
-  if (bias_fp32.defined()) bias_fp32 = torch::constant_pad_nd(bias_fp32, {0, blocks * kBlockCols - N});
-  const float* bp = bias_fp32.defined() ? bias_fp32.data_ptr<float>() : nullptr;
+  const PackedOperands operands = packed_operands(x, packed, N, bias);
+  const torch::Tensor& rows = operands.rows;
+  const int64_t M = x.size(0), pairs = packed.size(1), blocks = packed.size(0), x_stride = rows.size(1);
+  const float* bp = operands.bias.defined() ? operands.bias.data_ptr<float>() : nullptr;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   auto out = torch::empty({M, N}, x.options());
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   const int64_t tiles = pairs / kTilePairs;
-  const int64_t units = (blocks + 1) / 2;  // two packed blocks (64 columns) per unit of work
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float sums[kTileRows * kMaxGroups * kGroupCols];
-    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-      const int64_t count = std::min(kTileRows, M - m0);
-      configure_tiles(count);
+  // Steps of up to 32 rows: beyond 16, two row tiles share each weight tile read (one block at a time); up to 16, one
+  // row tile takes two blocks at a time. Threads split the blocks.
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float sums[kStepRows * kStepCols];
+    for (int64_t m0 = 0; m0 < M; m0 += kStepRows) {
+      const int64_t count = std::min(kStepRows, M - m0);
+      const bool tall = count > kTileRows;
+      configure_tiles(std::min(kTileRows, count), tall ? count - kTileRows : 0);
       const uint16_t* xm = xp + m0 * x_stride;
-      for (int64_t u = begin; u < end; ++u) {
-        const int64_t first_block = 2 * u;
-        const uint16_t* bw = wp + first_block * pairs * 2 * kBlockCols;
-        const int groups = first_block + 1 < blocks ? 4 : 2;
-        if (groups == 4) {
-          tile_products<4>(xm, x_stride, bw, pairs, tiles, sums);
+      for (int64_t b = begin; b < end; b += tall ? 1 : 2) {
+        const uint16_t* bw = wp + b * pairs * 2 * kBlockCols;
+        const int groups = !tall && b + 1 < end ? 4 : 2;
+        if (tall) {
+          tile_products<2, 2>(xm, x_stride, bw, pairs, tiles, sums);
+        } else if (groups == 4) {
+          tile_products<1, 4>(xm, x_stride, bw, pairs, tiles, sums);
         } else {
-          tile_products<2>(xm, x_stride, bw, pairs, tiles, sums);
+          tile_products<1, 2>(xm, x_stride, bw, pairs, tiles, sums);
         }
-        const int64_t first_column = first_block * kBlockCols;
         for (int g = 0; g < groups; ++g) {
-          const int64_t column = first_column + g * kGroupCols;
+          const int64_t column = b * kBlockCols + g * kGroupCols;
           if (column >= N) break;
           const __mmask16 keep = (__mmask16)((1u << std::min<int64_t>(kGroupCols, N - column)) - 1);
           const __m512 shift = bp != nullptr ? _mm512_loadu_ps(bp + column) : _mm512_setzero_ps();
           for (int64_t m = 0; m < count; ++m) {
-            __m512 acc = _mm512_loadu_ps(sums + m * kMaxGroups * kGroupCols + g * kGroupCols);
+            __m512 acc = _mm512_loadu_ps(sums + m * kStepCols + g * kGroupCols);
             for (int64_t p = tiles * kTilePairs; p < pairs; ++p) {
               const __m512bh weights = (__m512bh)_mm512_loadu_si512(weight_tile(bw, pairs, g, p));
               acc = _mm512_dpbf16_ps(acc, weights, pair_of(xm + m * x_stride + 2 * p));

@@ -7,21 +7,18 @@
 // weights are packed once (runtime.kernels.pack_bf16_weight) so that one 512-bit load holds 16 output columns' pair
 // of weights at the same two k; every lane of an accumulator is an output of its own, summed over all of K in
 // order, and nothing is left to reduce (scripts/bench_bf16_rows.py measures both).
-//
-// Packed layout: [ceil(N / 32), ceil(K / 2), 32, 2] bf16, element [b, p, c, e] = w[32 b + c, 2 p + e], zeros
-// beyond N and K. A block of 32 columns is one sequential stream of K * 64 bytes.
+// The packed layout is bf16_packed.h's.
 // Built only on CPUs that report AVX512-BF16 (runtime.kernels).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include "avx512_round.h"
-#include "bf16_linear.h"
+#include "bf16_packed.h"
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <cstring>
 #include <utility>
 
 namespace {
@@ -29,14 +26,8 @@ namespace {
 constexpr int64_t kLanes = 16;                   // fp32 lanes per accumulator: output columns per group
 constexpr int kGroups = 2;                       // 16-column groups per block
 constexpr int64_t kBlockCols = kLanes * kGroups;  // output columns per packed block
+static_assert(kBlockCols == kPackedBlockCols, "a block is two groups of 16 lanes");
 constexpr int kMaxRows = 12;                     // input rows per block: 24 accumulators of the 32 registers
-
-inline __m512bh pair_of(const uint16_t* x) {  // x[0], x[1] broadcast to every lane
-  int32_t bits;
-  std::memcpy(&bits, x, sizeof(bits));
-  return (__m512bh)_mm512_set1_epi32(bits);
-}
-
 
 // ROWS rows of x (bf16 bits, row stride x_stride, at least 2 * pairs elements each) times one packed block
 // [pairs, 32, 2] -> out[m * out_stride + c] for the block's first `columns` columns, bias (fp32, 32 entries) or null.
@@ -84,21 +75,10 @@ constexpr auto kBlocks = block_table(std::make_integer_sequence<int, kMaxRows>{}
 // on how many rows share the call.
 torch::Tensor bf16_packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                                  const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(2) == kBlockCols && packed.size(3) == 2,
-              "expected x [M, K] and a packed weight [ceil(N / 32), ceil(K / 2), 32, 2]");
-  TORCH_CHECK(packed.size(0) == (N + kBlockCols - 1) / kBlockCols && packed.size(1) == (x.size(1) + 1) / 2,
-              "the packed weight's shape does not match x [M, K] and N");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16,
-              "expected bfloat16 rows and a bfloat16 packed weight");
-  TORCH_CHECK(x.is_contiguous() && packed.is_contiguous() && x.device().is_cpu() && packed.device().is_cpu(),
-              "expected contiguous CPU tensors");
-  const int64_t M = x.size(0), pairs = packed.size(1), blocks = packed.size(0);
-  // an odd K reads one element past each row: widen the rows with a zero, which the packed zeros multiply
-  const torch::Tensor rows = x.size(1) % 2 == 0 ? x : torch::constant_pad_nd(x, {0, 1});
-  const int64_t x_stride = rows.size(1);
-  torch::Tensor bias_fp32 = linear_bias_fp32(bias, N);
-  if (bias_fp32.defined()) bias_fp32 = torch::constant_pad_nd(bias_fp32, {0, blocks * kBlockCols - N});
-  const float* bp = bias_fp32.defined() ? bias_fp32.data_ptr<float>() : nullptr;
+  const PackedOperands operands = packed_operands(x, packed, N, bias);
+  const torch::Tensor& rows = operands.rows;
+  const int64_t M = x.size(0), pairs = packed.size(1), blocks = packed.size(0), x_stride = rows.size(1);
+  const float* bp = operands.bias.defined() ? operands.bias.data_ptr<float>() : nullptr;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   auto out = torch::empty({M, N}, x.options());

@@ -1,0 +1,44 @@
+// What the kernels over pack_bf16_weight's layout share (bf16_packed_rows.cpp, bf16_amx_rows.cpp): the layout, the
+// checks and preparation of their operands, and a pair of bf16 values broadcast for AVX512-BF16's dot product.
+#pragma once
+
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include "bf16_linear.h"
+
+#include <cstdint>
+#include <cstring>
+
+// Packed layout: [ceil(N / 32), ceil(K / 2), 32, 2] bf16, element [b, p, c, e] = w[32 b + c, 2 p + e], zeros beyond
+// N and K (runtime.kernels.pack_bf16_weight). A block of 32 columns is one sequential stream of K * 64 bytes.
+constexpr int64_t kPackedBlockCols = 32;
+
+// A packed product's operands, checked: the rows (widened with a zero where K is odd: the last pair reads one element
+// past each row, which the packed zeros multiply) and the bias as fp32 over whole blocks (undefined without one).
+struct PackedOperands {
+  torch::Tensor rows;  // [M, 2 ceil(K / 2)] bfloat16
+  torch::Tensor bias;  // [ceil(N / 32) * 32] float32, or undefined
+};
+
+inline PackedOperands packed_operands(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                                      const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(2) == kPackedBlockCols && packed.size(3) == 2,
+              "expected x [M, K] and a packed weight [ceil(N / 32), ceil(K / 2), 32, 2]");
+  TORCH_CHECK(packed.size(0) == (N + kPackedBlockCols - 1) / kPackedBlockCols && packed.size(1) == (x.size(1) + 1) / 2,
+              "the packed weight's shape does not match x [M, K] and N");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16,
+              "expected bfloat16 rows and a bfloat16 packed weight");
+  TORCH_CHECK(x.is_contiguous() && packed.is_contiguous() && x.device().is_cpu() && packed.device().is_cpu(),
+              "expected contiguous CPU tensors");
+  PackedOperands operands{x.size(1) % 2 == 0 ? x : torch::constant_pad_nd(x, {0, 1}), linear_bias_fp32(bias, N)};
+  if (operands.bias.defined())
+    operands.bias = torch::constant_pad_nd(operands.bias, {0, packed.size(0) * kPackedBlockCols - N});
+  return operands;
+}
+
+inline __m512bh pair_of(const uint16_t* x) {  // x[0], x[1] broadcast to every lane
+  int32_t bits;
+  std::memcpy(&bits, x, sizeof(bits));
+  return (__m512bh)_mm512_set1_epi32(bits);
+}
