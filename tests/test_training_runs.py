@@ -48,6 +48,16 @@ def head_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("head", ["eagle", "eagle3", "medusa"])
+def test_bf16_training_takes_an_fp32_targets_online_features(tiny, tmp_path, head):
+    """trainer.precision=bf16 on a CPU: the head trains in bf16 while the target (auto: fp32 on a CPU) computes its
+    features online; they reach the head in its dtype."""
+    summary = run_config(tiny, tmp_path / "run", head, 2, ["trainer.precision=bf16", "eval.every=2"])
+    assert summary["steps"] == 2 and summary["final_eval"] is not None
+    weights = head_weights(tmp_path / "run")
+    assert all(torch.isfinite(w.float()).all() for w in weights.values())
+
+
+@pytest.mark.parametrize("head", ["eagle", "eagle3", "medusa"])
 def test_short_run_lowers_loss_and_raises_acceptance(tiny, tmp_path, head):
     lr = {"eagle": "3e-3", "eagle3": "3e-3", "medusa": "1e-2"}[head]
     summary = run_config(tiny, tmp_path / "run", head, 24, [f"trainer.lr={lr}", "eval.every=24"])

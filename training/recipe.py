@@ -256,7 +256,9 @@ class TrainRecipe:
             batch.update(self.offline.batch(indices, batch["input_ids"].shape[1], device, self.compute_dtype))
         else:
             with self.teacher():
-                batch.update(target_features(self.target, batch["input_ids"], self.feature_layers))
+                features = target_features(self.target, batch["input_ids"], self.feature_layers)
+            # the target computes in its own dtype (fp32 on a CPU by default); the head trains in the engine's
+            batch.update({k: v.to(self.compute_dtype) if v.is_floating_point() else v for k, v in features.items()})
         return batch
 
     # ----- evaluate
