@@ -124,53 +124,46 @@ bool enable_amx() {
 // output depends on its own row only, never on how many rows share the call. enable_amx() must have returned true.
 torch::Tensor bf16_amx_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                               const c10::optional<torch::Tensor>& bias) {
-  const PackedOperands operands = packed_operands(x, packed, N, bias);
-  const torch::Tensor& rows = operands.rows;
-  const int64_t M = x.size(0), pairs = packed.size(1), blocks = packed.size(0), x_stride = rows.size(1);
-  const float* bp = operands.bias.defined() ? operands.bias.data_ptr<float>() : nullptr;
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  auto out = torch::empty({M, N}, x.options());
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const int64_t tiles = pairs / kTilePairs;
+  const PackedOperands a = packed_operands(x, packed, N, bias);
+  const int64_t tiles = a.pairs / kTilePairs;
   // Steps of up to 32 rows: beyond 16, two row tiles share each weight tile read (one block at a time); up to 16, one
   // row tile takes two blocks at a time. Threads split the blocks.
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, a.blocks, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[kStepRows * kStepCols];
-    for (int64_t m0 = 0; m0 < M; m0 += kStepRows) {
-      const int64_t count = std::min(kStepRows, M - m0);
+    for (int64_t m0 = 0; m0 < a.M; m0 += kStepRows) {
+      const int64_t count = std::min(kStepRows, a.M - m0);
       const bool tall = count > kTileRows;
       configure_tiles(std::min(kTileRows, count), tall ? count - kTileRows : 0);
-      const uint16_t* xm = xp + m0 * x_stride;
+      const uint16_t* xm = a.x + m0 * a.x_stride;
       for (int64_t b = begin; b < end; b += tall ? 1 : 2) {
-        const uint16_t* bw = wp + b * pairs * 2 * kBlockCols;
+        const uint16_t* bw = a.w + b * a.pairs * 2 * kBlockCols;
         const int groups = !tall && b + 1 < end ? 4 : 2;
         if (tall) {
-          tile_products<2, 2>(xm, x_stride, bw, pairs, tiles, sums);
+          tile_products<2, 2>(xm, a.x_stride, bw, a.pairs, tiles, sums);
         } else if (groups == 4) {
-          tile_products<1, 4>(xm, x_stride, bw, pairs, tiles, sums);
+          tile_products<1, 4>(xm, a.x_stride, bw, a.pairs, tiles, sums);
         } else {
-          tile_products<1, 2>(xm, x_stride, bw, pairs, tiles, sums);
+          tile_products<1, 2>(xm, a.x_stride, bw, a.pairs, tiles, sums);
         }
         for (int g = 0; g < groups; ++g) {
           const int64_t column = b * kBlockCols + g * kGroupCols;
           if (column >= N) break;
           const __mmask16 keep = (__mmask16)((1u << std::min<int64_t>(kGroupCols, N - column)) - 1);
-          const __m512 shift = bp != nullptr ? _mm512_loadu_ps(bp + column) : _mm512_setzero_ps();
+          const __m512 shift = a.b != nullptr ? _mm512_loadu_ps(a.b + column) : _mm512_setzero_ps();
           for (int64_t m = 0; m < count; ++m) {
             __m512 acc = _mm512_loadu_ps(sums + m * kStepCols + g * kGroupCols);
-            for (int64_t p = tiles * kTilePairs; p < pairs; ++p) {
-              const __m512bh weights = (__m512bh)_mm512_loadu_si512(weight_tile(bw, pairs, g, p));
-              acc = _mm512_dpbf16_ps(acc, weights, pair_of(xm + m * x_stride + 2 * p));
+            for (int64_t p = tiles * kTilePairs; p < a.pairs; ++p) {
+              const __m512bh weights = (__m512bh)_mm512_loadu_si512(weight_tile(bw, a.pairs, g, p));
+              acc = _mm512_dpbf16_ps(acc, weights, pair_of(xm + m * a.x_stride + 2 * p));
             }
-            _mm256_mask_storeu_epi16(op + (m0 + m) * N + column, keep, round_to_bf16(_mm512_add_ps(acc, shift)));
+            _mm256_mask_storeu_epi16(a.o + (m0 + m) * N + column, keep, round_to_bf16(_mm512_add_ps(acc, shift)));
           }
         }
       }
     }
     _tile_release();
   });
-  return out;
+  return a.out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -14,11 +14,18 @@
 // N and K (runtime.kernels.pack_bf16_weight). A block of 32 columns is one sequential stream of K * 64 bytes.
 constexpr int64_t kPackedBlockCols = 32;
 
-// A packed product's operands, checked: the rows (widened with a zero where K is odd: the last pair reads one element
-// past each row, which the packed zeros multiply) and the bias as fp32 over whole blocks (undefined without one).
+// A packed product's operands, checked, and its output: the rows (widened with a zero where K is odd: the last pair
+// reads one element past each row, which the packed zeros multiply), the bias as fp32 over whole blocks, and the
+// raw pointers and sizes the kernels loop over.
 struct PackedOperands {
   torch::Tensor rows;  // [M, 2 ceil(K / 2)] bfloat16
   torch::Tensor bias;  // [ceil(N / 32) * 32] float32, or undefined
+  torch::Tensor out;   // [M, N] bfloat16
+  int64_t M, pairs, blocks, x_stride;
+  const uint16_t* x;   // rows' bits
+  const uint16_t* w;   // the packed weight's bits
+  const float* b;      // bias, or null
+  at::BFloat16* o;     // out
 };
 
 inline PackedOperands packed_operands(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
@@ -31,10 +38,20 @@ inline PackedOperands packed_operands(const torch::Tensor& x, const torch::Tenso
               "expected bfloat16 rows and a bfloat16 packed weight");
   TORCH_CHECK(x.is_contiguous() && packed.is_contiguous() && x.device().is_cpu() && packed.device().is_cpu(),
               "expected contiguous CPU tensors");
-  PackedOperands operands{x.size(1) % 2 == 0 ? x : torch::constant_pad_nd(x, {0, 1}), linear_bias_fp32(bias, N)};
-  if (operands.bias.defined())
-    operands.bias = torch::constant_pad_nd(operands.bias, {0, packed.size(0) * kPackedBlockCols - N});
-  return operands;
+  PackedOperands a;
+  a.rows = x.size(1) % 2 == 0 ? x : torch::constant_pad_nd(x, {0, 1});
+  a.bias = linear_bias_fp32(bias, N);
+  if (a.bias.defined()) a.bias = torch::constant_pad_nd(a.bias, {0, packed.size(0) * kPackedBlockCols - N});
+  a.out = torch::empty({x.size(0), N}, x.options());
+  a.M = x.size(0);
+  a.pairs = packed.size(1);
+  a.blocks = packed.size(0);
+  a.x_stride = a.rows.size(1);
+  a.x = reinterpret_cast<const uint16_t*>(a.rows.data_ptr<at::BFloat16>());
+  a.w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  a.b = a.bias.defined() ? a.bias.data_ptr<float>() : nullptr;
+  a.o = a.out.data_ptr<at::BFloat16>();
+  return a;
 }
 
 inline __m512bh pair_of(const uint16_t* x) {  // x[0], x[1] broadcast to every lane

@@ -75,14 +75,11 @@ constexpr auto kBlocks = block_table(std::make_integer_sequence<int, kMaxRows>{}
 // on how many rows share the call.
 torch::Tensor bf16_packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                                  const c10::optional<torch::Tensor>& bias) {
-  const PackedOperands operands = packed_operands(x, packed, N, bias);
-  const torch::Tensor& rows = operands.rows;
-  const int64_t M = x.size(0), pairs = packed.size(1), blocks = packed.size(0), x_stride = rows.size(1);
-  const float* bp = operands.bias.defined() ? operands.bias.data_ptr<float>() : nullptr;
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  auto out = torch::empty({M, N}, x.options());
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const PackedOperands a = packed_operands(x, packed, N, bias);
+  const int64_t M = a.M, pairs = a.pairs, blocks = a.blocks, x_stride = a.x_stride;
+  const uint16_t *xp = a.x, *wp = a.w;
+  const float* bp = a.b;
+  at::BFloat16* op = a.o;
   // rows split into near-equal blocks of at most kMaxRows: 16 rows go as 8 + 8, not 12 + 4
   const int64_t row_blocks = (M + kMaxRows - 1) / kMaxRows;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
@@ -96,7 +93,7 @@ torch::Tensor bf16_packed_linear(const torch::Tensor& x, const torch::Tensor& pa
       }
     }
   });
-  return out;
+  return a.out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
