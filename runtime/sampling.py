@@ -63,13 +63,39 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
 
 
+ARGMAX_CHUNK = 128  # columns a chunk in ``chunked_argmax``
+
+
+def chunked_argmax(values: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
+    """values [..., V] -> [...] long: the first index of each row's largest value, what ``torch.argmax`` gives
+    (a NaN counts as the largest, as there).
+
+    The first occurrence lies in the first chunk of ``chunk`` columns whose maximum is the row's, at that chunk's
+    first largest column: a maximum per chunk (a reduction PyTorch's CPU kernels vectorise), an argmax over the chunk
+    maxima, and one over a chunk. On CPU several times faster than an argmax over a vocabulary-wide row, whose
+    index-tracking reduction is not vectorised (``scripts/bench_decode_ops.py`` times both)."""
+    width = values.shape[-1]
+    chunks = -(-width // chunk)
+    if chunks <= 1:
+        return values.argmax(-1)
+    rows = values.reshape(-1, width)
+    if chunks * chunk != width:
+        rows = torch.nn.functional.pad(rows, (0, chunks * chunk - width), value=float("-inf"))
+    blocks = rows.view(rows.shape[0], chunks, chunk)
+    first = blocks.amax(-1).argmax(-1)  # [R]: the first chunk holding the row's maximum
+    inside = blocks[torch.arange(rows.shape[0], device=values.device), first].argmax(-1)
+    return (first * chunk + inside).view(values.shape[:-1])
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The target's greedy token at each row of logits [..., V] -> [...] long: the first index of the largest logit,
     as ``torch.argmax`` (and HF's greedy decoding, which takes it over fp32 logits) picks it.
 
-    On CPUs PyTorch's argmax over bf16 is not vectorised: converting to fp32 first (exact) and taking the fp32
-    argmax is faster at a verification pass's shapes (``scripts/bench_decode_ops.py`` measures both). Elsewhere the
-    argmax runs on the logits as they are."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.bfloat16, torch.float16):
+    On CPUs PyTorch's argmax over bf16 is not vectorised: the logits are converted to fp32 first (exact), and the
+    argmax taken by chunk maxima (``chunked_argmax``), several times faster at a verification pass's shapes
+    (``scripts/bench_decode_ops.py`` measures them). Elsewhere the argmax runs on the logits as they are."""
+    if logits.device.type != "cpu":
+        return logits.argmax(-1)
+    if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
-    return logits.argmax(-1)
+    return chunked_argmax(logits)

@@ -9,9 +9,9 @@ PyTorch's SDPA (what the attention module runs otherwise, with the transpose to 
 ``runtime.kernels.decode_attention`` (and, where that is the AVX512-BF16 build, its AVX2 build beside it).
 RMSNorm: transformers' LlamaRMSNorm over the rows against ``runtime.kernels.rms_norm_rows``. A pass runs 30
 attention calls and 61 norms. The greedy token: ``argmax`` over the pass's bf16 logits (49152-token vocabulary,
---batch x rows of them) against ``runtime.sampling.greedy_tokens`` (fp32 argmax after an exact conversion), once a
-pass. Reports median microseconds over --repeats calls, interleaved. Run it with nothing
-else on the machine.
+--batch x rows of them) against ``runtime.sampling.greedy_tokens`` (an exact fp32 conversion, then the argmax by
+chunk maxima), once a pass. Reports median microseconds over --repeats calls, interleaved. Run it with nothing else
+on the machine.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 import torch
 
 from runtime.acceptance import greedy_accept, rejection_accept, typical_accept
-from runtime.sampling import greedy_tokens
+from runtime.sampling import chunked_argmax, greedy_tokens
 from runtime.tree import Tree
 
 
@@ -22,6 +22,20 @@ def test_greedy_tokens_are_the_first_largest_logit_in_every_dtype():
     wide[..., 1000] = wide.max(-1, keepdim=True).values[..., 0]  # a tie with the largest, after it or before it
     assert torch.equal(greedy_tokens(wide), wide.argmax(-1))
     assert greedy_tokens(wide).dtype == torch.long and greedy_tokens(wide).shape == (4, 3)
+
+
+def test_chunked_argmax_is_torch_argmax_with_ties_nans_and_ragged_widths():
+    # by hand, chunks of 2: the maximum 5 first appears in chunk 1 (column 3), again in chunk 2
+    assert chunked_argmax(torch.tensor([[1.0, 2.0, 0.0, 5.0, 5.0, 4.0, 5.0]]), chunk=2).tolist() == [3]
+    assert chunked_argmax(torch.tensor([1.0, float("nan"), 9.0, float("nan")]), chunk=2).item() == 1  # NaN wins
+    assert chunked_argmax(torch.full((2, 5), float("-inf")), chunk=2).tolist() == [0, 0]
+    generator = torch.Generator().manual_seed(0)
+    for shape, chunk in [((6, 49152), 128), ((3, 2, 300), 128), ((4, 129), 128), ((5, 7), 128), ((8, 100), 3)]:
+        values = torch.randn(*shape, generator=generator)
+        assert torch.equal(chunked_argmax(values, chunk), values.argmax(-1))
+        ties = (values * 2).round()  # many equal maxima in a row
+        assert torch.equal(chunked_argmax(ties, chunk), ties.argmax(-1))
+        assert chunked_argmax(values, chunk).dtype == torch.long
 
 
 def test_greedy_walks_the_matching_branch_and_adds_the_bonus():

@@ -4,6 +4,7 @@ cases; the settings chosen from a cost curve; and the window never changing what
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from types import SimpleNamespace
 
@@ -17,8 +18,9 @@ from runtime.proposers.base import ProposeInput, start_generation
 from runtime.proposers import ProposerSpec, build_proposer
 from runtime.proposers.lookahead import (SUCCESSORS, LookaheadProposer, NgramPool, SuccessorPrior, chunked_topk,
                                          SuccessorTable, blend_successors, choose_settings,
-                                         expected_tokens, jacobi_update, pass_rows, record_successors, window_mask,
-                                         window_ngrams, window_offsets, window_tokens)
+                                         expected_tokens, jacobi_update, pass_rows, record_successors,
+                                         top_probabilities, window_mask, window_ngrams, window_offsets,
+                                         window_tokens)
 from runtime.proposers.lookup_first import LookupFirstProposer
 from runtime.proposers.ngram import NgramProposer
 from runtime.proposers.spec import LookaheadSettings
@@ -554,6 +556,23 @@ def test_successor_prior_is_measured_once_and_read_back(tmp_path, monkeypatch):
     assert prior_prefix(None, SimpleNamespace(bos_token_id=None, eos_token_id=[7, 8])).tolist() == [7]
     with pytest.raises(ValueError, match="prior=False"):
         prior_prefix(None, SimpleNamespace())
+
+
+def test_top_probabilities_are_the_softmaxs_largest_without_changing_the_logits():
+    generator = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(5, 3000, generator=generator) * 4).to(dtype)
+        kept = logits.clone()
+        probs, tokens = top_probabilities(logits, 8)
+        softmax = logits.float().softmax(-1)
+        assert torch.equal(logits, kept)  # fp32 logits are not normalized in place
+        # the k largest probabilities (among equal logits another index may be picked), each at its own token
+        torch.testing.assert_close(probs, softmax.topk(8, dim=-1).values, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(probs, softmax.gather(-1, tokens), rtol=1e-5, atol=1e-7)
+    probs, tokens = top_probabilities(torch.tensor([[0.0, -1.0, float("-inf"), 2.0]]), 2)  # by hand
+    total = 1 + math.exp(-1) + math.exp(2)
+    assert tokens.tolist() == [[3, 0]]
+    torch.testing.assert_close(probs, torch.tensor([[math.exp(2) / total, 1 / total]]))
 
 
 def test_chunked_topk_gives_topks_values_and_indices_that_hold_them():

@@ -317,9 +317,21 @@ def chunked_topk(values: torch.Tensor, k: int, chunk: int = TOPK_CHUNK) -> tuple
     return top, best.gather(1, where // chunk) * chunk + where % chunk
 
 
+def top_probabilities(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, V] -> (probabilities [R, k], tokens [R, k] long): the softmax's k largest entries of each row,
+    largest first, as ``chunked_topk(logits.float().softmax(-1), k)`` gives them up to fp32 rounding. The top-k is
+    taken over the logits and only the normalizer over the whole row, which spares a softmax's full-size output
+    (about half the time on CPU)."""
+    widened = logits.to(torch.float32, copy=True)  # a copy of its own: the normalizer is computed in place
+    top, tokens = chunked_topk(widened, k)
+    largest = top[:, :1]
+    normalizer = widened.sub_(largest).exp_().sum(-1, keepdim=True)
+    return (top - largest).exp() / normalizer, tokens
+
+
 def record_successors(table: SuccessorTable, history: torch.Tensor, tree: Tree, logits: torch.Tensor) -> None:
     """Record the successors the target computed at ``tree``'s nodes (logits [N, V]; the root is history[-1])."""
-    probs, top = chunked_topk(logits.float().softmax(-1), min(SUCCESSORS, logits.shape[-1]))
+    probs, top = top_probabilities(logits, min(SUCCESSORS, logits.shape[-1]))
     tokens = tree.tokens.tolist()
     parents = tree.parents.tolist()
     before = [token_before_root(history)] + [tokens[parent] for parent in parents[1:]]
