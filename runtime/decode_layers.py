@@ -109,10 +109,10 @@ def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     (in bfloat16, up to the order of the fp32 accumulation).
 
     With ``packed``, bf16 rows go through the packed copy of the weight it keeps where its plan says so
-    (``runtime.linear_plan``: the AVX512-BF16 packed kernel or oneDNN, chosen by timing on this machine). Otherwise,
-    on a CPU with AVX512-BF16, up to DOT_KERNEL_MAX_ROWS go through its dot-product kernel over the weight as it is
-    (``runtime.kernels.bf16_dot_linear``). Otherwise few rows go
-    through ``weight @ hidden^T``, the rest (and anything that needs gradients, or runs off CPU) through F.linear.
+    (``runtime.linear_plan``: the AVX512-BF16 packed kernel, the AMX tile kernel or oneDNN, chosen by timing on this
+    machine). Otherwise, on a CPU with AVX512-BF16, up to DOT_KERNEL_MAX_ROWS go through its dot-product kernel over
+    the weight as it is (``runtime.kernels.bf16_dot_linear``). Otherwise few rows go through ``weight @ hidden^T``,
+    the rest (and anything that needs gradients, or runs off CPU) through F.linear.
     In bfloat16, 2-16 rows (and one row on a CPU with bf16 matrix instructions) go through the compiled AVX2 row
     kernel (``runtime.kernels``): PyTorch's bf16
     product on a CPU without bf16 matrix instructions costs about one one-row product per row, the kernel reads the

@@ -12,7 +12,8 @@ same CPUs: no per-output reduction, so many rows run near the instruction's rate
 ``bf16_amx_linear``: the same layer over the same packed weight with AMX tiles (bf16_amx_rows.cpp), on CPUs that
 have them: up to 16 rows per tile product, so a few rows cost what one row costs.
 ``onednn_bf16_linear``: the same layer through oneDNN over a weight reordered once by ``pack_onednn_weight``, where
-PyTorch's oneDNN takes bf16 (on CPUs with AMX its tile instructions: a few rows cost about what one row costs).
+PyTorch's oneDNN takes bf16 (on CPUs with AMX its tile instructions, with a fixed cost per call beyond the
+product).
 ``decode_attention``: attention of a few bf16 query rows over a bf16 KV cache (decode_attention.cpp), tested against
 fp32 SDPA over the same values.
 ``rms_norm_rows``: the Llama-family RMSNorm over bf16 rows in one call (rms_norm.cpp), tested against the module.
