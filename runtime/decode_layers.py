@@ -219,12 +219,13 @@ def linear_weights(model: nn.Module) -> list[torch.Tensor]:
 def packed_products() -> dict[str, Product]:
     """The products ``runtime.linear_plan`` times on this CPU: each packed form that runs here, and the stock rules."""
     products: dict[str, Product] = {}
+    def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, int]:  # the layout both kernels below read
+        return pack_bf16_weight(weight), weight.shape[0]
+
     if (blocks := bf16_packed_linear()) is not None:
-        products["blocks"] = (lambda w: (pack_bf16_weight(w), w.shape[0]),
-                              lambda x, packed: blocks(x, packed[0], packed[1], None))
-    if (amx := bf16_amx_linear()) is not None:  # over the blocks' layout
-        products["amx"] = (lambda w: (pack_bf16_weight(w), w.shape[0]),
-                           lambda x, packed: amx(x, packed[0], packed[1], None))
+        products["blocks"] = (pack_blocks, lambda x, packed: blocks(x, packed[0], packed[1], None))
+    if (amx := bf16_amx_linear()) is not None:
+        products["amx"] = (pack_blocks, lambda x, packed: amx(x, packed[0], packed[1], None))
     if (onednn := onednn_bf16_linear()) is not None:
         products["onednn"] = (pack_onednn_weight, lambda x, packed: onednn(x, packed, None))
     if products:

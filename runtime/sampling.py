@@ -63,27 +63,35 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs.float().cpu(), 1, generator=generator))
 
 
-ARGMAX_CHUNK = 128  # columns a chunk in ``chunked_argmax``
+CHUNK = 128  # columns a chunk in ``chunked_argmax`` and lookahead's ``chunked_topk``
 
 
-def chunked_argmax(values: torch.Tensor, chunk: int = ARGMAX_CHUNK) -> torch.Tensor:
+def chunk_columns(rows: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """rows [R, V] -> [R, ceil(V / chunk), chunk]: each row's columns in chunks, the last one filled up with -inf
+    (which no maximum picks). A view where V is a multiple of ``chunk``, else a padded copy.
+
+    The reductions over vocabulary-wide rows that PyTorch's CPU kernels do not vectorise (argmax, top-k) run fast as
+    a vectorised maximum per chunk followed by the same reduction over a few chunks (``scripts/bench_decode_ops.py``
+    times the argmax)."""
+    count, width = rows.shape
+    chunks = -(-width // chunk)
+    if chunks * chunk != width:
+        rows = torch.nn.functional.pad(rows, (0, chunks * chunk - width), value=float("-inf"))
+    return rows.view(count, chunks, chunk)
+
+
+def chunked_argmax(values: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     """values [..., V] -> [...] long: the first index of each row's largest value, what ``torch.argmax`` gives
     (a NaN counts as the largest, as there).
 
-    The first occurrence lies in the first chunk of ``chunk`` columns whose maximum is the row's, at that chunk's
-    first largest column: a maximum per chunk (a reduction PyTorch's CPU kernels vectorise), an argmax over the chunk
-    maxima, and one over a chunk. On CPU several times faster than an argmax over a vocabulary-wide row, whose
-    index-tracking reduction is not vectorised (``scripts/bench_decode_ops.py`` times both)."""
+    The first occurrence lies in the first chunk whose maximum is the row's, at that chunk's first largest column:
+    a maximum per chunk, an argmax over the chunk maxima, and one over a chunk (``chunk_columns``)."""
     width = values.shape[-1]
-    chunks = -(-width // chunk)
-    if chunks <= 1:
+    if width <= chunk:
         return values.argmax(-1)
-    rows = values.reshape(-1, width)
-    if chunks * chunk != width:
-        rows = torch.nn.functional.pad(rows, (0, chunks * chunk - width), value=float("-inf"))
-    blocks = rows.view(rows.shape[0], chunks, chunk)
+    blocks = chunk_columns(values.reshape(-1, width), chunk)
     first = blocks.amax(-1).argmax(-1)  # [R]: the first chunk holding the row's maximum
-    inside = blocks[torch.arange(rows.shape[0], device=values.device), first].argmax(-1)
+    inside = blocks[torch.arange(blocks.shape[0], device=values.device), first].argmax(-1)
     return (first * chunk + inside).view(values.shape[:-1])
 
 

@@ -63,11 +63,11 @@ def main(argv=None) -> int:
     weights.append(torch.randn(args.vocab, LAYER_SHAPES[0][1]).bfloat16())
     print(f"{torch.get_num_threads()} threads, {sum(w.numel() for w in weights) * 2 / 1e6:.0f} MB of bf16 weights")
     dot, packed = bf16_dot_linear(), bf16_packed_linear()
-    packed_weights = [pack_bf16_weight(w) for w in weights] if packed is not None else []
+    amx = bf16_amx_linear()  # over the same packed copy
+    packed_weights = [pack_bf16_weight(w) for w in weights] if packed is not None or amx is not None else []
     columns = "| rows | F.linear ms | kernel ms | F.linear / kernel |" + (" AVX512-BF16 kernel ms | F.linear / it |"
                                                                         if dot is not None else "")
     columns += " packed kernel ms | F.linear / it |" if packed is not None else ""
-    amx = bf16_amx_linear()
     columns += " AMX kernel ms | F.linear / it |" if amx is not None else ""
     onednn = onednn_bf16_linear()
     onednn_weights = [pack_onednn_weight(w) for w in weights] if onednn is not None else []

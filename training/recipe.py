@@ -258,7 +258,7 @@ class TrainRecipe:
             with self.teacher():
                 features = target_features(self.target, batch["input_ids"], self.feature_layers)
             # the target computes in its own dtype (fp32 on a CPU by default); the head trains in the engine's
-            batch.update({k: v.to(self.compute_dtype) if v.is_floating_point() else v for k, v in features.items()})
+            batch.update(to_dtype(features, self.compute_dtype))
         return batch
 
     # ----- evaluate
@@ -290,7 +290,7 @@ class TrainRecipe:
                 continue
             batch = prepare_batch(self.target, collate(samples, self.pad_id), self.conf.head, self.conf.eval,
                                   self.feature_layers, self.teacher)
-            prepared.append({k: v.to(self.compute_dtype) if v.is_floating_point() else v for k, v in batch.items()})
+            prepared.append(to_dtype(batch, self.compute_dtype))
         return prepared
 
     # ----- save
@@ -432,6 +432,11 @@ def prepare_features(conf: TrainConfig) -> dict:
 
 def to_device(batch: dict, device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def to_dtype(batch: dict, dtype: torch.dtype) -> dict:
+    """``batch`` with its floating-point tensors in ``dtype`` (the head's compute dtype); ids and masks as they are."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
 
 
 def rank_digests(module: nn.Module) -> list[str]:

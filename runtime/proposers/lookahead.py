@@ -61,7 +61,7 @@ import torch
 
 from runtime.proposers.base import ProposeInput
 from runtime.proposers.spec import LookaheadSettings
-from runtime.sampling import SamplingParams, greedy_tokens
+from runtime.sampling import CHUNK, SamplingParams, chunk_columns, greedy_tokens
 from runtime.tree import Draft, Tree
 from runtime.tree_sizing import interpolated_cost
 
@@ -294,23 +294,17 @@ def token_before_root(history: torch.Tensor) -> int:
     return int(history[-2]) if history.numel() > 1 else -1
 
 
-TOPK_CHUNK = 128  # columns a chunk in ``chunked_topk``
-
-
-def chunked_topk(values: torch.Tensor, k: int, chunk: int = TOPK_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_topk(values: torch.Tensor, k: int, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest of each row of values [R, V] -> (values [R, k], indices [R, k] long), largest first: the
     values ``torch.topk`` gives; among equal values the indices may differ from its choice (deterministically).
 
-    Each of the k largest lies in one of the k chunks of ``chunk`` columns with the largest maxima, so the top-k of
-    those k chunks' columns is the rows' top-k: a pass over the row's chunk maxima and a top-k over k * chunk
+    Each of the k largest lies in one of the k chunks with the largest maxima, so the top-k of those k chunks'
+    columns is the rows' top-k: a pass over the row's chunk maxima (``chunk_columns``) and a top-k over k * chunk
     columns, several times faster on CPU than a top-k over a vocabulary-wide row."""
-    rows, width = values.shape
-    chunks = -(-width // chunk)
-    if k >= chunks:
+    rows = values.shape[0]
+    if k >= -(-values.shape[1] // chunk):
         return values.topk(k, dim=-1)
-    if chunks * chunk != width:
-        values = torch.nn.functional.pad(values, (0, chunks * chunk - width), value=float("-inf"))
-    blocks = values.view(rows, chunks, chunk)
+    blocks = chunk_columns(values, chunk)
     _, best = blocks.amax(-1).topk(k, dim=-1)  # [R, k] chunk indices
     candidates = blocks.gather(1, best[:, :, None].expand(rows, k, chunk)).view(rows, k * chunk)
     top, where = candidates.topk(k, dim=-1)
