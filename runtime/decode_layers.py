@@ -32,11 +32,12 @@ from heads.common import FrozenProjection
 from runtime.kernels import (bf16_amx_linear, bf16_dot_linear, bf16_packed_linear, bf16_rows_linear,
                              native_bf16_matmul, onednn_bf16_linear, pack_bf16_weight, pack_onednn_weight,
                              rms_norm_rows)
-from runtime.linear_plan import STOCK, LinearPlan, Product, default_plan, linear_plan
+from runtime.linear_plan import FP32_PLAN_ROWS, STOCK, LinearPlan, Product, default_plan, linear_plan
 
-# Row counts up to which ``decode_linear`` computes weight @ hidden^T: on the 2-core x86 CPUs this was tuned on, BLAS
-# streams a weight matrix from memory faster in that operand order for a few rows (scripts/bench_vocab_projection.py
-# and scripts/bench_verify_pass.py re-measure it).
+# Row counts up to which ``decode_linear`` computes weight @ hidden^T where no plan was timed: on the 2-core x86 CPUs
+# this was tuned on, BLAS streams a weight matrix from memory faster in that operand order for a few rows
+# (scripts/bench_vocab_projection.py and scripts/bench_verify_pass.py re-measure it). Not on every CPU: an fp32 model
+# large enough to time gets a plan saying where this order wins (``runtime.linear_plan``).
 WEIGHT_MAJOR_MAX_ROWS = 16
 
 # Row counts up to which the compiled bf16 row kernel beats PyTorch's bf16 product on a CPU with bf16 matrix
@@ -62,16 +63,27 @@ PACKED_KERNEL_MAX_ROWS = 256
 LLAMA_FORMULA_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 
 
+def weight_major_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [M, K] @ weight [N, K]^T (+ bias) computed as weight @ rows^T: [M, N], contiguous."""
+    # The product comes out as [N, rows]; handing a transposed view on would make every later op (rotary, SDPA,
+    # which then falls back to its slow math kernel) work on a strided tensor, so copy the few rows once.
+    out = torch.mm(weight, rows.t()).t().contiguous()
+    return out if bias is None else out + bias
+
+
 class PackedWeights:
     """Copies of bf16 weights in the packed layout ``plan.form`` names (``runtime.linear_plan``: the AVX512-BF16
     kernel's blocks, which the AMX kernel reads too, or oneDNN's), made on a weight's first use and again whenever
     it changes in place (its version counter moves) or the layer gets another tensor, and the ``plan`` saying which
     products use them. The weights themselves are never changed; the copies cost as much memory as the weights they
-    pack."""
+    pack. The ``weight_major`` form (fp32 weights) keeps no copy: its plan only says where ``weight @ rows^T`` runs.
+    ``dtype``: the weights' dtype the plan is for."""
 
     def __init__(self, plan: LinearPlan | None = None):
         self.plan = plan if plan is not None else default_plan(PACKED_KERNEL_MAX_ROWS)
-        self._pack = pack_onednn_weight if self.plan.form == "onednn" else pack_bf16_weight
+        self.dtype = torch.float32 if self.plan.form == "weight_major" else torch.bfloat16
+        self._pack = {"onednn": pack_onednn_weight, "weight_major": lambda weight: weight}.get(self.plan.form,
+                                                                                              pack_bf16_weight)
         self._copies: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
         # the plan's answer for each (weight shape, rows) asked: a pass asks it for every layer
         self._packed: dict[tuple[torch.Size, int], bool] = {}
@@ -93,6 +105,8 @@ class PackedWeights:
             packed = self._packed[key] = self.plan.packed(tuple(weight.shape), rows.shape[0])
         if not packed:
             return None
+        if self.plan.form == "weight_major":
+            return weight_major_linear(rows, weight, bias)
         if self.plan.form == "onednn":
             kernel = onednn_bf16_linear()
             return None if kernel is None else kernel(rows, self.of(weight), bias)
@@ -110,7 +124,8 @@ def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
     With ``packed``, bf16 rows go through the packed copy of the weight it keeps where its plan says so
     (``runtime.linear_plan``: the AVX512-BF16 packed kernel, the AMX tile kernel or oneDNN, chosen by timing on this
-    machine). Otherwise, on a CPU with AVX512-BF16, up to DOT_KERNEL_MAX_ROWS go through its dot-product kernel over
+    machine); for fp32 its plan says which rows go weight-major and which through F.linear. Otherwise, on a CPU with
+    AVX512-BF16, up to DOT_KERNEL_MAX_ROWS go through its dot-product kernel over
     the weight as it is (``runtime.kernels.bf16_dot_linear``). Otherwise few rows go through ``weight @ hidden^T``,
     the rest (and anything that needs gradients, or runs off CPU) through F.linear.
     In bfloat16, 2-16 rows (and one row on a CPU with bf16 matrix instructions) go through the compiled AVX2 row
@@ -123,10 +138,12 @@ def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         return F.linear(hidden, weight, bias)
     rows = hidden.numel() // hidden.shape[-1]
     bf16 = weight.dtype == hidden.dtype == torch.bfloat16
-    if bf16 and packed is not None:
+    if packed is not None and weight.dtype == hidden.dtype == packed.dtype:
         out = packed.linear(hidden.reshape(rows, hidden.shape[-1]).contiguous(), weight, bias)
         if out is not None:
             return out.reshape(*hidden.shape[:-1], weight.shape[0])
+        if not bf16:  # fp32 rows the plan leaves to the stock product
+            return F.linear(hidden, weight, bias)
     if bf16 and rows <= DOT_KERNEL_MAX_ROWS and (dot := bf16_dot_linear()) is not None:
         out = dot(hidden.reshape(rows, hidden.shape[-1]).contiguous(), weight.contiguous(), bias)
         return out.reshape(*hidden.shape[:-1], weight.shape[0])
@@ -145,10 +162,7 @@ def decode_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         # (scripts/bench_bf16_rows.py --rows 1), enough to make a 1-node pass cost more than a 2-node one.
         out = kernel(flat.contiguous(), weight.contiguous(), bias)
         return out.reshape(*hidden.shape[:-1], weight.shape[0])
-    # The product comes out as [N, rows]; handing a transposed view on would make every later op (rotary, SDPA,
-    # which then falls back to its slow math kernel) work on a strided tensor, so copy the few rows once.
-    out = torch.mm(weight, flat.t()).t().contiguous().reshape(*hidden.shape[:-1], weight.shape[0])
-    return out if bias is None else out + bias
+    return weight_major_linear(flat, weight, bias).reshape(*hidden.shape[:-1], weight.shape[0])
 
 
 class DecodeLinear(nn.Linear):
@@ -216,8 +230,12 @@ def linear_weights(model: nn.Module) -> list[torch.Tensor]:
     return list(found.values())
 
 
-def packed_products() -> dict[str, Product]:
-    """The products ``runtime.linear_plan`` times on this CPU: each packed form that runs here, and the stock rules."""
+def packed_products(dtype: torch.dtype = torch.bfloat16) -> dict[str, Product]:
+    """The products ``runtime.linear_plan`` times on this CPU for weights of ``dtype``: for bf16 each packed form that
+    runs here and the stock rules; for fp32 the weight-major order and F.linear."""
+    if dtype == torch.float32:
+        return {"weight_major": (lambda w: w, lambda x, w: weight_major_linear(x, w)),
+                STOCK: (lambda w: w, lambda x, w: F.linear(x, w))}
     products: dict[str, Product] = {}
     def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, int]:  # the layout both kernels below read
         return pack_bf16_weight(weight), weight.shape[0]
@@ -235,14 +253,22 @@ def packed_products() -> dict[str, Product]:
 
 def packed_weights_for(model: nn.Module) -> PackedWeights | None:
     """A store of packed weights for ``model`` where a packed product runs and the model has bf16 linear weights on
-    CPU, with the plan timed for them on this machine (``runtime.linear_plan.linear_plan``, cached); else None."""
-    weights = [w for w in linear_weights(model) if w.dtype == torch.bfloat16 and w.device.type == "cpu"]
-    products = packed_products() if weights else {}
-    if not products:
-        return None
-    # a model too small to time keeps the blocks' default plan, where the blocks run
-    fallback = default_plan(PACKED_KERNEL_MAX_ROWS) if "blocks" in products else None
-    plan = linear_plan(weights, products, fallback)
+    CPU, or the operand-order plan for its fp32 linear weights on CPU, with the plan timed for them on this machine
+    (``runtime.linear_plan.linear_plan``, cached); else None (a model too small to time keeps the stock rules, or
+    the blocks' default plan where the blocks run)."""
+    on_cpu = [w for w in linear_weights(model) if w.device.type == "cpu"]
+    weights = [w for w in on_cpu if w.dtype == torch.bfloat16]
+    if weights:
+        products = packed_products()
+        if not products:
+            return None
+        fallback = default_plan(PACKED_KERNEL_MAX_ROWS) if "blocks" in products else None
+        plan = linear_plan(weights, products, fallback)
+    else:
+        weights = [w for w in on_cpu if w.dtype == torch.float32]
+        if not weights:
+            return None
+        plan = linear_plan(weights, packed_products(torch.float32), None, rows=FP32_PLAN_ROWS)
     return None if plan is None else PackedWeights(plan)
 
 

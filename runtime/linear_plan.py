@@ -1,4 +1,4 @@
-"""Which product each bf16 linear layer of a CPU decode pass runs, chosen by timing them on the machine at hand.
+"""Which product each linear layer of a CPU decode pass runs, chosen by timing them on the machine at hand.
 
 A decode pass multiplies a few rows by every weight matrix, and on a CPU with bf16 instructions several products
 compute it: the packed AVX512-BF16 kernel over a copy of the weights in its block layout, the AMX tile kernel over
@@ -12,6 +12,11 @@ So the runtime times them over the model's own weights, once per machine and set
 choice: a ``LinearPlan`` says which packed copy the model keeps (one
 form: a second copy of the weights is what packing costs) and, for each weight shape and row count, whether the
 packed copy or the stock rules compute it.
+
+fp32 weights have no packed copy, but the operand order matters as much: for a few rows one BLAS streams the weight
+faster as ``weight @ rows^T`` (the CPUs the stock rule was tuned on) while another runs ``F.linear`` several times
+faster from two rows on (a Xeon with AMX, where the weight-major order made a 2-row pass cost twice a 1-row one;
+``scripts/bench_verify_pass.py``). So fp32 models get a plan too, of the ``weight_major`` form against ``F.linear``.
 
 Every product gives the same values up to the order of the fp32 accumulation, so the choice changes speed only.
 """
@@ -30,12 +35,15 @@ import torch
 
 from runtime.assets import cache_dir, write_json_atomically
 
-# The packed forms: the AVX512-BF16 kernel's blocks (runtime.kernels.pack_bf16_weight), oneDNN's layout
-# (runtime.kernels.pack_onednn_weight), and the AMX kernel over the blocks' layout (runtime.kernels.bf16_amx_linear).
-FORMS = ("blocks", "onednn", "amx")
+# The packed forms of bf16 weights: the AVX512-BF16 kernel's blocks (runtime.kernels.pack_bf16_weight), oneDNN's
+# layout (runtime.kernels.pack_onednn_weight), and the AMX kernel over the blocks' layout
+# (runtime.kernels.bf16_amx_linear); and for fp32 weights the weight-major product, which needs no copy.
+FORMS = ("blocks", "onednn", "amx", "weight_major")
 STOCK = "stock"
 # Row counts timed: decode steps, trees, batches of trees and short prefills. Beyond the largest the stock rules run.
 PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
+# fp32's weight-major order only ever pays for a few rows: beyond these F.linear runs.
+FP32_PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
 # A product this many times slower than the best at some row count is not timed at larger ones: a product that
 # loses by that much to another does not catch up as rows grow, and the slow ones would make measuring take long.
 GIVE_UP_RATIO = 2.0
@@ -97,11 +105,13 @@ def choose_plan(seconds: dict[str, dict[Shape, dict[int, float]]]) -> LinearPlan
     """The plan with the least total time over ``seconds`` [product][shape][rows] (products: the ``FORMS`` measured and
     ``STOCK``; a product missing at a row count was too slow to time there). For each form, each shape and row count
     takes the faster of that form and the stock rules; the form whose plan sums to less is kept (the blocks on a
-    tie)."""
+    tie). A shape not timed follows the form up to the most rows timed."""
     forms = [form for form in FORMS if form in seconds]
     if not forms:
         raise ValueError(f"choose_plan needs the seconds of a packed form ({', '.join(FORMS)}), got {list(seconds)}")
     stock = seconds.get(STOCK, {})
+    most_rows = max((rows for timed in seconds.values() for counts in timed.values() for rows in counts),
+                    default=max(PLAN_ROWS))
     best: tuple[float, LinearPlan] | None = None
     for form in forms:
         total, choices = 0.0, {}
@@ -117,7 +127,7 @@ def choose_plan(seconds: dict[str, dict[Shape, dict[int, float]]]) -> LinearPlan
                 else:
                     runs.append((rows, packed))
             choices[shape] = tuple(runs)
-        plan = LinearPlan(form, choices, ((max(PLAN_ROWS), True),))
+        plan = LinearPlan(form, choices, ((most_rows, True),))
         if best is None or total < best[0]:
             best = (total, plan)
     return best[1]
@@ -130,12 +140,12 @@ Product = tuple[Callable[[torch.Tensor], object], Callable[[torch.Tensor, object
 @torch.inference_mode()
 def measure_linear_seconds(weights: list[torch.Tensor], products: dict[str, Product], rows=PLAN_ROWS,
                            repeats: int = 3) -> dict[str, dict[Shape, dict[int, float]]]:
-    """[product][shape][rows]: median seconds of one pass over ``weights`` (each [N, K] bf16, in the model's order,
-    so that they stream from memory as in a real pass) spent on the weights of each shape, for each product. Rows
+    """[product][shape][rows]: median seconds of one pass over ``weights`` (each [N, K] of one dtype, in the model's
+    order, so that they stream from memory as in a real pass) spent on the weights of each shape, for each product. Rows
     counts go up; a packed product ``GIVE_UP_RATIO`` times slower than the best over a whole pass is not timed at
     larger counts (the stock rules, which a plan falls back on, are timed at every count)."""
     prepared = {name: [prepare(w) for w in weights] for name, (prepare, _) in products.items()}
-    inputs = {k: torch.randn(max(rows), k, dtype=torch.bfloat16) for k in {w.shape[1] for w in weights}}
+    inputs = {k: torch.randn(max(rows), k, dtype=weights[0].dtype) for k in {w.shape[1] for w in weights}}
     found: dict[str, dict[Shape, dict[int, float]]] = {name: {} for name in products}
     alive = list(products)
     for count in rows:
@@ -171,10 +181,10 @@ def _plan_path(weights: list[torch.Tensor], forms: tuple[str, ...]):
 
 
 def linear_plan(weights: list[torch.Tensor], products: dict[str, Product],
-                fallback: LinearPlan | None) -> LinearPlan | None:
-    """The cached plan for ``weights`` (a model's bf16 linear weights) on this machine, timed on first use (seconds)
-    over ``products`` (the packed forms this CPU runs and ``STOCK``); ``fallback`` for a model too small to time
-    (``MEASURE_MIN_BYTES``)."""
+                fallback: LinearPlan | None, rows=PLAN_ROWS) -> LinearPlan | None:
+    """The cached plan for ``weights`` (a model's linear weights of one dtype) on this machine, timed on first use
+    (seconds) at ``rows`` over ``products`` (the forms this CPU runs for that dtype and ``STOCK``); ``fallback`` for
+    a model too small to time (``MEASURE_MIN_BYTES``)."""
     forms = tuple(name for name in products if name in FORMS)
     if not forms or sum(w.numel() * w.element_size() for w in weights) < MEASURE_MIN_BYTES:
         return fallback
@@ -184,7 +194,8 @@ def linear_plan(weights: list[torch.Tensor], products: dict[str, Product],
             return LinearPlan.from_json(json.loads(path.read_text()))
         except (ValueError, KeyError, TypeError, IndexError):
             pass  # a damaged or older file: measured again below
-    print("[headstart] timing the bf16 linear products on this machine (once) ...", file=sys.stderr)
-    plan = choose_plan(measure_linear_seconds(weights, products))
+    dtype = str(weights[0].dtype).removeprefix("torch.")
+    print(f"[headstart] timing the {dtype} linear products on this machine (once) ...", file=sys.stderr)
+    plan = choose_plan(measure_linear_seconds(weights, products, rows))
     write_json_atomically(path, plan.to_json())
     return plan

@@ -78,9 +78,9 @@ def test_a_plan_is_timed_once_per_machine_and_shapes_and_small_models_keep_the_f
     monkeypatch.setattr(linear_plan_module, "MEASURE_MIN_BYTES", 0)
     timed = []
     measured = {"blocks": {SMALL: {1: 1.0, 2: 1.0}}, STOCK: {SMALL: {1: 2.0, 2: 0.5}}}
-    monkeypatch.setattr(linear_plan_module, "measure_linear_seconds", lambda w, p: timed.append(1) or measured)
+    monkeypatch.setattr(linear_plan_module, "measure_linear_seconds", lambda w, p, r: timed.append(1) or measured)
     plan = linear_plan(weights, products, fallback)
-    assert plan == LinearPlan("blocks", {SMALL: ((1, True), (2, False))}, ((256, True),)) and timed == [1]
+    assert plan == LinearPlan("blocks", {SMALL: ((1, True), (2, False))}, ((2, True),)) and timed == [1]
     assert linear_plan(weights, products, fallback) == plan and timed == [1]  # read back, not timed again
     (saved,) = (tmp_path / "linear_plans").glob("*.json")
     saved.write_text("{not json")
@@ -120,3 +120,49 @@ def test_packed_weights_follow_their_plan_and_keep_the_values(monkeypatch, form)
     assert packed_rows == [1, 2]  # 3 rows: beyond the plan's run, the stock rules
     expected = pack_onednn_weight(weight) if form == "onednn" else pack_bf16_weight(weight)
     assert store.of(weight).shape == expected.shape and len(store) == 1
+
+
+def test_fp32_weights_get_an_operand_order_plan_that_keeps_the_values(monkeypatch, tmp_path):
+    """An fp32 model large enough to time gets a ``weight_major`` plan: no copies, weight @ rows^T where it says so,
+    F.linear elsewhere, the same values either way; its decode layers give the stock model's logits."""
+    from runtime.decode_layers import DecodeLayers, packed_weights_for
+    from tests.conftest import tiny_model
+
+    monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path))
+    model = tiny_model("llama", seed=0).float().eval()
+    assert packed_weights_for(model) is None  # too small to time: the stock rules
+    monkeypatch.setattr(linear_plan_module, "MEASURE_MIN_BYTES", 0)
+    measured_rows = []
+
+    def measured(weights, products, rows):
+        assert set(products) == {"weight_major", STOCK} and all(w.dtype == torch.float32 for w in weights)
+        measured_rows.append(rows)
+        shapes = {tuple(w.shape) for w in weights}
+        # weight-major wins at one row only, F.linear from two on
+        return {"weight_major": {shape: {1: 1.0, 2: 3.0} for shape in shapes},
+                STOCK: {shape: {1: 2.0, 2: 1.0} for shape in shapes}}
+
+    monkeypatch.setattr(linear_plan_module, "measure_linear_seconds", measured)
+    store = packed_weights_for(model)
+    assert measured_rows == [linear_plan_module.FP32_PLAN_ROWS]
+    assert store.plan.form == "weight_major" and store.dtype == torch.float32
+    ids = torch.randint(0, model.config.vocab_size, (1, 6))
+    with torch.inference_mode():
+        expected = model(ids).logits
+        layers = DecodeLayers(model)  # reads the plan back from the cache
+        assert layers.packed.plan == store.plan
+        with layers.active():
+            got = torch.cat([model(ids[:, :1]).logits, model(ids).logits], dim=1)  # one row, then six
+    torch.testing.assert_close(got, torch.cat([expected[:, :1], expected], dim=1))
+    assert measured_rows == [linear_plan_module.FP32_PLAN_ROWS]  # timed once
+    weight, bias = torch.randn(48, 64), torch.randn(48)
+    store = PackedWeights(LinearPlan("weight_major", {(48, 64): ((1, True), (2, False))}, ()))
+    routes = []
+    monkeypatch.setattr(decode_layers, "weight_major_linear",
+                        lambda x, w, b=None: routes.append(x.shape[0]) or torch.mm(w, x.t()).t().contiguous() + b)
+    for rows in (1, 2, 3):
+        hidden = torch.randn(rows, 64)
+        with torch.inference_mode():
+            got = decode_linear(hidden, weight, bias, store)
+        torch.testing.assert_close(got, torch.nn.functional.linear(hidden, weight, bias))
+    assert routes == [1] and store.of(weight) is weight  # 2 and 3 rows: F.linear; no copy of the weight
