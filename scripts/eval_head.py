@@ -1,12 +1,20 @@
-"""Held-out acceptance of any EAGLE-3 head directory, by the trainer's own evaluation.
+"""Acceptance of any head directory (EAGLE, EAGLE-3, Medusa), by the trainer's own evaluation.
 
     python scripts/eval_head.py --head DIR --data FILE [--max-samples N] [--out result.json]
+    python scripts/eval_head.py --head DIR --prompts [FILE] [--max-new-tokens 256] [--out result.json]
 
 The head may be ours or one trained elsewhere, in any layout ``heads.formats.load_any_head`` reads (ours, the
-EAGLE-3 reference layout, vLLM's). The held-out conversations are the validation split that ``training/train.py
-data=selfdistill data.path=FILE`` holds out for the same data settings (pass the run's ``--max-samples``,
-``--val-samples``, ``--max-length`` and ``--data-seed``); the numbers are what that run's evaluation reports:
-acc@1..K of a greedy drafting chain and its expected length tau (``training.evaluate.held_out_acceptance``).
+EAGLE-1/3 reference layouts, vLLM's, Medusa's). The numbers are what a training run's evaluation reports: acc@1..K
+of a greedy drafting chain (Medusa: of its heads) and its expected length tau
+(``training.evaluate.samples_acceptance``), on one of:
+
+- ``--data FILE``: the held-out conversations that ``training/train.py data=selfdistill data.path=FILE`` holds out
+  for the same data settings (pass the run's ``--max-samples``, ``--val-samples``, ``--max-length`` and
+  ``--data-seed``);
+- ``--prompts [FILE]``: the target's own greedy replies to prompts (default: MT-bench's 80 first turns; a JSONL file
+  of ``{"prompt": ...}`` or ``{"turns": [...]}``), generated here by the runtime's batched plain decoding. This
+  scores the head on a benchmark's distribution without any tree: the gap to the held-out figure is how far the
+  benchmark is from the training data for this head.
 """
 
 from __future__ import annotations
@@ -21,46 +29,117 @@ import torch
 from cli import positive_int  # scripts/cli.py
 
 
-def evaluate_head(head_dir: Path, data: Path, max_samples: int | None, val_samples: int, max_length: int,
-                  data_seed: int, eval_samples: int, eval_batch: int, depth: int) -> dict:
-    from heads.formats import load_any_head
-    from runtime.target import DEFAULT_TARGET, load_target
-    from training.config import DataConf, Eagle3HeadConf, EvalConf
-    from training.evaluate import held_out_acceptance
+def head_conf_for(head):
+    """The training config of ``head``'s type that scores it (the fields evaluation reads come from the head)."""
+    from training.config import Eagle3HeadConf, EagleHeadConf, MedusaHeadConf
 
-    data_conf = DataConf(source="json", path=str(data), max_samples=max_samples, val_samples=val_samples,
-                         max_length=max_length, seed=data_seed, cache=False)
-    target = load_target(DEFAULT_TARGET, dtype="float32")
+    if head.head_type == "eagle3":
+        return Eagle3HeadConf(feature_layers=list(head.feature_layers), draft_vocab_size=head.draft_vocab_size)
+    if head.head_type == "medusa":
+        return MedusaHeadConf(num_heads=head.num_heads)
+    return EagleHeadConf()
+
+
+def prompt_replies(target, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[list[int]]:
+    """The target's greedy reply (token ids) to each prompt, decoded in batches without speculation."""
+    from tqdm import tqdm
+
+    from runtime.batched import BatchedDecoder
+    from runtime.proposers.base import NoProposer
+    from runtime.prompts import encode_prompt
+
+    decoder = BatchedDecoder(target, NoProposer())
+    replies: list[list[int]] = [[] for _ in prompts]
+    encoded = [encode_prompt(target.tokenizer, text) for text in prompts]
+    for number, result in tqdm(decoder.results(encoded, max_new_tokens, batch_size=batch_size), total=len(prompts),
+                               desc="target replies", unit="prompt"):
+        replies[number] = list(result.tokens)
+    return replies
+
+
+def evaluate_head(head_dir: Path, target_name: str, eval_samples: int, eval_batch: int, depth: int,
+                  data: Path | None = None, max_samples: int | None = None, val_samples: int = 32,
+                  max_length: int = 512, data_seed: int = 0, prompts: list[str] | None = None,
+                  max_new_tokens: int = 256, reply_batch: int = 16) -> dict:
+    from heads.formats import load_any_head
+    from runtime.proposers import check_target_adapters
+    from runtime.target import load_target
+    from training.config import DataConf, EvalConf
+    from training.evaluate import held_out_acceptance, reply_samples, samples_acceptance
+
+    target = load_target(target_name, dtype="float32")  # as a training run evaluates
     head, saved = load_any_head(head_dir, target.model, identity=target.identity, tokenizer=target.tokenizer)
-    if head.head_type != "eagle3":
-        raise SystemExit(f"--head {head_dir} holds a {head.head_type} head; this script evaluates EAGLE-3 heads")
-    head_conf = Eagle3HeadConf(feature_layers=list(head.feature_layers), draft_vocab_size=head.draft_vocab_size)
-    eval_conf = EvalConf(depth=depth, max_samples=eval_samples, batch_size=eval_batch)
-    result = held_out_acceptance(target, head.float().eval(), head_conf, data_conf, eval_conf)
-    return {"head": str(head_dir), "layout": saved.get("layout", saved.get("format")),
-            "feature_layers": list(head.feature_layers), "draft_vocab": head.draft_vocab_size,
-            "held_out_conversations": result["conversations"], "positions": result["positions"],
-            "acc": result["acc"], "tau": result["tau"]}
+    check_target_adapters(str(head_dir), saved, target)  # a Medusa-2 head scores on its merged target only
+    head = head.float().eval()
+    head_conf = head_conf_for(head)
+    report = {"head": str(head_dir), "head_type": head.head_type, "layout": saved.get("layout", saved.get("format")),
+              "target": target.identity}
+    if head.head_type == "eagle3":
+        report.update(feature_layers=list(head.feature_layers), draft_vocab=head.draft_vocab_size)
+    if prompts is not None:
+        started = time.perf_counter()
+        replies = prompt_replies(target, prompts, max_new_tokens, reply_batch)
+        report["reply_seconds"] = time.perf_counter() - started
+        report["reply_tokens"] = sum(len(reply) for reply in replies)
+        samples = reply_samples(target.tokenizer, prompts, replies, max_length)
+        eval_conf = EvalConf(depth=depth, max_samples=len(samples), batch_size=eval_batch)
+        result = samples_acceptance(target, head, head_conf, samples, eval_conf)
+        report["scored_on"] = "the target's greedy replies to the prompts"
+    else:
+        data_conf = DataConf(source="json", path=str(data), max_samples=max_samples, val_samples=val_samples,
+                             max_length=max_length, seed=data_seed, cache=False)
+        eval_conf = EvalConf(depth=depth, max_samples=eval_samples, batch_size=eval_batch)
+        result = held_out_acceptance(target, head, head_conf, data_conf, eval_conf)
+        report["scored_on"] = f"the held-out split of {data}"
+    report.update(conversations=result["conversations"], positions=result["positions"], acc=result["acc"],
+                  tau=result["tau"])
+    return report
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--head", type=Path, required=True, help="EAGLE-3 head directory (any layout we read)")
-    parser.add_argument("--data", type=Path, required=True, help="the training run's JSONL of conversations")
-    parser.add_argument("--max-samples", type=positive_int, help="the run's data.max_samples")
-    parser.add_argument("--val-samples", type=positive_int, default=32, help="the run's data.val_samples")
-    parser.add_argument("--max-length", type=positive_int, default=512, help="the run's data.max_length")
-    parser.add_argument("--data-seed", type=int, default=0, help="the run's data.seed")
-    parser.add_argument("--eval-samples", type=positive_int, default=16, help="held-out conversations evaluated")
+    parser.add_argument("--head", type=Path, required=True, help="head directory (any layout we read)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", type=Path, help="the training run's JSONL of conversations: score its held-out "
+                                                  "split")
+    source.add_argument("--prompts", nargs="?", const="mtbench", metavar="FILE",
+                        help="score on the target's greedy replies to these prompts (default: MT-bench)")
+    parser.add_argument("--target", default=None, help="target model (default: the project's default target; a "
+                                                       "Medusa-2 head needs its merged target)")
+    parser.add_argument("--max-samples", type=positive_int, help="--data: the run's data.max_samples")
+    parser.add_argument("--val-samples", type=positive_int, default=32, help="--data: the run's data.val_samples")
+    parser.add_argument("--max-length", type=positive_int, default=512,
+                        help="tokens of a conversation scored (--data: the run's data.max_length)")
+    parser.add_argument("--data-seed", type=int, default=0, help="--data: the run's data.seed")
+    parser.add_argument("--eval-samples", type=positive_int, default=16, help="--data: held-out conversations scored")
+    parser.add_argument("--limit", type=positive_int, help="--prompts: score the first N prompts")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256, help="--prompts: reply length")
+    parser.add_argument("--reply-batch", type=positive_int, default=16, help="--prompts: rows decoded at once")
     parser.add_argument("--eval-batch", type=positive_int, default=4)
-    parser.add_argument("--depth", type=positive_int, default=5, help="draft steps of the chain")
+    parser.add_argument("--depth", type=positive_int, default=5, help="draft steps of an EAGLE chain (Medusa: its "
+                                                                      "heads)")
     parser.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     parser.add_argument("--out", type=Path, help="also write the result JSON here")
     args = parser.parse_args(argv)
+    if args.data is not None and not args.data.is_file():
+        parser.error(f"--data {args.data}: no such file; give the JSONL of conversations the run trained on")
+    prompts = None
+    if args.prompts is not None:
+        from runtime.prompts import read_prompts
+
+        try:
+            prompts = [p["prompt"] for p in read_prompts(None if args.prompts == "mtbench" else args.prompts,
+                                                         limit=args.limit)]
+        except (OSError, ValueError) as error:
+            parser.error(f"--prompts {args.prompts}: {error}")
+    from runtime.target import DEFAULT_TARGET
+
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    report = evaluate_head(args.head, args.data, args.max_samples, args.val_samples, args.max_length,
-                                 args.data_seed, args.eval_samples, args.eval_batch, args.depth)
+    report = evaluate_head(args.head, args.target or DEFAULT_TARGET, args.eval_samples, args.eval_batch,
+                           args.depth, data=args.data, max_samples=args.max_samples, val_samples=args.val_samples,
+                           max_length=args.max_length, data_seed=args.data_seed, prompts=prompts,
+                           max_new_tokens=args.max_new_tokens, reply_batch=args.reply_batch)
     report["seconds"] = time.perf_counter() - started
     text = json.dumps(report, indent=2)
     print(text)

@@ -347,3 +347,22 @@ def test_a_recorded_sample_keeps_the_last_token_no_pass_ran_on():
         assert sample["hidden"].shape[0] == rows
         predicting = next_token_mask(sample["assistant_mask"][None])[0].nonzero().flatten().tolist()
         assert predicting == [3, 4, 5, 6]  # row 6 predicts the end of the turn
+
+
+def test_reply_samples_mask_exactly_the_reply_and_its_end_of_turn():
+    """A prompt with the target's reply, tokenized as training tokenizes a conversation: only the reply (special
+    tokens of the generated ids dropped) and the template's end of turn are scored; a cut keeps the start."""
+    from tests.tiny_training import char_tokenizer
+    from training.evaluate import reply_samples
+
+    tokenizer = char_tokenizer()
+    replies = [tokenizer("ab ab.")["input_ids"] + [tokenizer.eos_token_id], tokenizer("x")["input_ids"]]
+    samples = reply_samples(tokenizer, ["repeat ab 2 times", "say x"], replies, max_length=64)
+    scored = [tokenizer.decode(torch.tensor(s["input_ids"])[torch.tensor(s["assistant_mask"])]) for s in samples]
+    assert scored == ["ab ab.<|im_end|>\n", "x<|im_end|>\n"]
+    assert tokenizer.decode(samples[1]["input_ids"]) == ("<|im_start|>user\nsay x<|im_end|>\n"
+                                                         "<|im_start|>assistant\nx<|im_end|>\n")
+    cut = reply_samples(tokenizer, ["repeat ab 2 times"], replies[:1], max_length=20)[0]
+    assert len(cut["input_ids"]) == 20 and not any(cut["assistant_mask"])
+    with pytest.raises(ValueError):
+        reply_samples(tokenizer, ["one prompt"], replies, max_length=64)  # a reply for every prompt

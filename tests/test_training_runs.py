@@ -102,6 +102,39 @@ def check_held_out_acceptance(tiny, run_dir: Path, final_eval: dict, head_type: 
     result = held_out_acceptance(target, head.float().eval(), conf.head, conf.data, conf.eval)
     assert result["acc"] == pytest.approx(final_eval["acc"], abs=1e-5)
     assert result["tau"] == pytest.approx(final_eval["tau"], abs=1e-5) and result["conversations"] == 8
+    check_eval_head_script(tiny, run_dir, final_eval, head_type)
+
+
+def check_eval_head_script(tiny, run_dir: Path, final_eval: dict, head_type: str) -> None:
+    """scripts/eval_head.py scores every head type: on the run's held-out split (Medusa: as the run did), and on the
+    target's own greedy replies to prompts, with a figure for each draft step."""
+    from training.metrics import acceptance_rates
+
+    target_dir, data = tiny
+    common = ["--head", run_dir / "head", "--target", target_dir, "--depth", "3", "--threads", "1"]
+    steps = 3  # eval.depth of the run, and its Medusa heads
+    if head_type == "medusa":
+        held_out = eval_head_report(common + ["--data", data, "--val-samples", "8", "--eval-samples", "8",
+                                              "--max-length", "64"])
+        assert held_out["acc"] == pytest.approx(final_eval["acc"], abs=1e-5) and held_out["conversations"] == 8
+    prompts = run_dir / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"repeat {w} {n} times"}) + "\n"
+                               for w, n in (("abc", 3), ("fed", 4), ("gh", 5))))
+    report = eval_head_report(common + ["--prompts", prompts, "--max-new-tokens", "24", "--reply-batch", "2",
+                                        "--max-length", "128"])
+    assert report["head_type"] == head_type and report["conversations"] == 3 and len(report["acc"]) == steps
+    assert 0 < report["reply_tokens"] <= 3 * 24 and report["positions"] >= report["reply_tokens"] - 3
+    reached = [report["positions"]]
+    for rate in report["acc"]:
+        reached.append(reached[-1] * rate)
+    assert report["tau"] == pytest.approx(acceptance_rates(torch.tensor(reached))[1], abs=1e-6)
+
+
+def eval_head_report(args: list) -> dict:
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval_head.py"), *map(str, args)], env=_env(),
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
 
 
 def check_shipping(run_dir: Path, into: Path, target_dir: Path) -> None:

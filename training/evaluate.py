@@ -138,19 +138,44 @@ def held_out_acceptance(target, head, head_conf, data_conf, eval_conf) -> dict:
 
     ``head``: a head of ``head_conf``'s type on ``target`` (ours or one trained elsewhere, as
     ``heads.formats.load_any_head`` reads it), in the dtype to evaluate in; one process, no training engine."""
-    from training.data import build_splits, collate, pad_token_id
-    from training.metrics import acceptance_rates
-    from training.objectives import HeadObjective
+    from training.data import build_splits
 
     if not data_conf.val_samples or eval_conf.max_samples < 1:
         raise ValueError(f"no held-out conversation to evaluate: data.val_samples={data_conf.val_samples}, "
                          f"eval.max_samples={eval_conf.max_samples}; give both at least 1")
+    return samples_acceptance(target, head, head_conf, build_splits(data_conf, target.tokenizer)["validation"],
+                              eval_conf)
+
+
+def samples_acceptance(target, head, head_conf, samples, eval_conf) -> dict:
+    """``head``'s acceptance on tokenized conversations ``samples`` (items {"input_ids", "assistant_mask"}; the
+    first ``eval_conf.max_samples`` count), scored as a training run's evaluation scores its held-out split; the
+    result as ``held_out_acceptance``'s."""
+    from training.data import collate, pad_token_id
+    from training.metrics import acceptance_rates
+    from training.objectives import HeadObjective
+
     pad_id = pad_token_id(target.tokenizer)
-    batches = evaluation_batches(build_splits(data_conf, target.tokenizer)["validation"], eval_conf)
-    prepared = [prepare_batch(target, collate(samples, pad_id), head_conf, eval_conf, head.feature_layers)
-                for samples in batches]
+    batches = evaluation_batches(samples, eval_conf)
+    prepared = [prepare_batch(target, collate(rows, pad_id), head_conf, eval_conf, head.feature_layers)
+                for rows in batches]
     objective = HeadObjective(head, head_conf, target.lm_head.weight, target.softcap, pad_id=pad_id)
     result = evaluate_acceptance(objective, prepared, eval_depth(head_conf, eval_conf), 0, 1)
     acc, tau = acceptance_rates(result["reached"])
     return {"acc": acc, "tau": tau, "val_loss": result["val_loss"], "positions": int(result["reached"][0]),
-            "conversations": sum(len(samples) for samples in batches)}
+            "conversations": sum(len(rows) for rows in batches)}
+
+
+def reply_samples(tokenizer, prompts: list[str], replies: list[list[int]], max_length: int,
+                  chat_template: str | None = None) -> list[dict]:
+    """Training samples {"input_ids", "assistant_mask"} of single-turn conversations: each prompt with the target's
+    reply to it (token ids, decoded to text and tokenized as training tokenizes a conversation)."""
+    from training.data import resolve_template, tokenize_conversation
+
+    template = resolve_template(tokenizer, chat_template)
+    samples = []
+    for prompt, reply in zip(prompts, replies, strict=True):
+        messages = [{"role": "user", "content": prompt},
+                    {"role": "assistant", "content": tokenizer.decode(reply, skip_special_tokens=True).strip()}]
+        samples.append(tokenize_conversation(tokenizer, messages, max_length, template))
+    return samples
