@@ -62,6 +62,7 @@ def evaluate_head(head_dir: Path, target_name: str, eval_samples: int, eval_batc
                   max_length: int = 512, data_seed: int = 0, prompts: list[str] | None = None,
                   max_new_tokens: int = 256, reply_batch: int = 16) -> dict:
     from heads.formats import load_any_head
+    from runtime.benchmark import machine_description
     from runtime.proposers import check_target_adapters
     from runtime.target import load_target
     from training.config import DataConf, EvalConf
@@ -73,7 +74,8 @@ def evaluate_head(head_dir: Path, target_name: str, eval_samples: int, eval_batc
     head = head.float().eval()
     head_conf = head_conf_for(head)
     report = {"head": str(head_dir), "head_type": head.head_type, "layout": saved.get("layout", saved.get("format")),
-              "target": target.identity}
+              "target": target.identity, "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "machine": machine_description(target.device)}
     if head.head_type == "eagle3":
         report.update(feature_layers=list(head.feature_layers), draft_vocab=head.draft_vocab_size)
     if prompts is not None:
