@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -123,6 +124,19 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     parser.add_argument("--out", type=Path, help="also write the result JSON here")
     args = parser.parse_args(argv)
+    from heads.formats import detect_layout
+
+    try:  # before anything loads: a wrong directory is named at once
+        detect_layout(args.head)
+    except (OSError, ValueError) as error:
+        parser.error(f"--head {args.head}: {error}")
+    given = set(argv if argv is not None else sys.argv[1:])
+    for flag, source in (("--limit", "--prompts"), ("--max-new-tokens", "--prompts"), ("--reply-batch", "--prompts"),
+                         ("--max-samples", "--data"), ("--val-samples", "--data"), ("--eval-samples", "--data"),
+                         ("--data-seed", "--data")):
+        chosen = args.prompts is not None if source == "--prompts" else args.data is not None
+        if (flag in given or any(arg.startswith(flag + "=") for arg in given)) and not chosen:
+            parser.error(f"{flag} applies to {source} only; drop it or score with {source}")
     if args.data is not None and not args.data.is_file():
         parser.error(f"--data {args.data}: no such file; give the JSONL of conversations the run trained on")
     prompts = None

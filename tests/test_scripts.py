@@ -214,6 +214,17 @@ def test_benchmark_script_rejects_a_misspelt_method_before_loading_anything(tmp_
     assert "Traceback" not in result.stderr and not (tmp_path / "results.json").exists()
 
 
+def test_eval_head_script_names_a_wrong_head_or_flag_before_loading_anything(tmp_path):
+    cases = [(["--head", tmp_path / "no-head", "--prompts"], "--head " + str(tmp_path / "no-head")),
+             (["--head", "heads/shipped/smollm2-135m-medusa", "--prompts", "--eval-samples", "3"],
+              "--eval-samples applies to --data only"),
+             (["--head", "heads/shipped/smollm2-135m-medusa", "--data", tmp_path / "none.jsonl", "--limit", "3"],
+              "--limit applies to --prompts only")]
+    for args, message in cases:
+        result = run_script("eval_head.py", *args, check=False)
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
 def test_vocab_projection_benchmark_prints_every_row_count():
     result = run_script("bench_vocab_projection.py", "--vocab", "64", "--hidden", "8", "--rows", "1", "3",
                         "--repeats", "2")
