@@ -21,13 +21,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
 from cli import positive_int  # scripts/cli.py
+
+# Options of one source of conversations, with their defaults (None: given only when set); a flag of the source not
+# chosen is an error rather than silently ignored.
+SOURCE_OPTIONS = {
+    "--data": {"max_samples": None, "val_samples": 32, "data_seed": 0, "eval_samples": 16},
+    "--prompts": {"limit": None, "max_new_tokens": 256, "reply_batch": 16},
+}
 
 
 def head_conf_for(head):
@@ -110,14 +116,14 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default=None, help="target model (default: the project's default target; a "
                                                        "Medusa-2 head needs its merged target)")
     parser.add_argument("--max-samples", type=positive_int, help="--data: the run's data.max_samples")
-    parser.add_argument("--val-samples", type=positive_int, default=32, help="--data: the run's data.val_samples")
+    parser.add_argument("--val-samples", type=positive_int, help="--data: the run's data.val_samples (32)")
     parser.add_argument("--max-length", type=positive_int, default=512,
                         help="tokens of a conversation scored (--data: the run's data.max_length)")
-    parser.add_argument("--data-seed", type=int, default=0, help="--data: the run's data.seed")
-    parser.add_argument("--eval-samples", type=positive_int, default=16, help="--data: held-out conversations scored")
+    parser.add_argument("--data-seed", type=int, help="--data: the run's data.seed (0)")
+    parser.add_argument("--eval-samples", type=positive_int, help="--data: held-out conversations scored (16)")
     parser.add_argument("--limit", type=positive_int, help="--prompts: score the first N prompts")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=256, help="--prompts: reply length")
-    parser.add_argument("--reply-batch", type=positive_int, default=16, help="--prompts: rows decoded at once")
+    parser.add_argument("--max-new-tokens", type=positive_int, help="--prompts: reply length (256)")
+    parser.add_argument("--reply-batch", type=positive_int, help="--prompts: rows decoded at once (16)")
     parser.add_argument("--eval-batch", type=positive_int, default=4)
     parser.add_argument("--depth", type=positive_int, default=5, help="draft steps of an EAGLE chain (Medusa: its "
                                                                       "heads)")
@@ -130,13 +136,13 @@ def main(argv=None) -> int:
         detect_layout(args.head)
     except (OSError, ValueError) as error:
         parser.error(f"--head {args.head}: {error}")
-    given = set(argv if argv is not None else sys.argv[1:])
-    for flag, source in (("--limit", "--prompts"), ("--max-new-tokens", "--prompts"), ("--reply-batch", "--prompts"),
-                         ("--max-samples", "--data"), ("--val-samples", "--data"), ("--eval-samples", "--data"),
-                         ("--data-seed", "--data")):
-        chosen = args.prompts is not None if source == "--prompts" else args.data is not None
-        if (flag in given or any(arg.startswith(flag + "=") for arg in given)) and not chosen:
-            parser.error(f"{flag} applies to {source} only; drop it or score with {source}")
+    for source, chosen in (("--data", args.data is not None), ("--prompts", args.prompts is not None)):
+        for name, default in SOURCE_OPTIONS[source].items():
+            if getattr(args, name) is None:
+                setattr(args, name, default)
+            elif not chosen:
+                flag = "--" + name.replace("_", "-")
+                parser.error(f"{flag} applies to {source} only; drop it or score with {source}")
     if args.data is not None and not args.data.is_file():
         parser.error(f"--data {args.data}: no such file; give the JSONL of conversations the run trained on")
     prompts = None
