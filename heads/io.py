@@ -173,6 +173,13 @@ def _check_tree(tree: dict, path: Path) -> None:
         raise ValueError(f"{path}: tree.sizes must map a target dtype name to the verified tree size measured best in "
                          f"it (e.g. {{\"float32\": 4, \"bfloat16\": 6}}), got {sizes!r}; fix it in the file, or "
                          f"delete it for the runtime's cost model")
+    paths = tree.get("rank_paths")
+    if paths is not None and not (isinstance(paths, list) and all(
+            isinstance(ranks, list) and ranks and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
+                                                       for r in ranks) for ranks in paths)):
+        raise ValueError(f"{path}: tree.rank_paths must be a list of rank paths (lists of ranks >= 0, e.g. [[0], [1], "
+                         f"[0, 0]]) as scripts/eval_head.py measures them, got {str(paths)[:80]}; fix it in the file, "
+                         f"or delete it for the tree calibrated from tree.acceptance")
     rates = tree.get("acceptance")
     if rates is not None and not (isinstance(rates, list) and all(
             isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate <= 1 for rate in rates)):

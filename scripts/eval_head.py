@@ -15,6 +15,10 @@ of a greedy drafting chain (Medusa: of its heads) and its expected length tau
   of ``{"prompt": ...}`` or ``{"turns": [...]}``), generated here by the runtime's batched plain decoding. This
   scores the head on a benchmark's distribution without any tree: the gap to the held-out figure is how far the
   benchmark is from the training data for this head.
+
+For a Medusa head the report also holds the static tree measured on the same positions (``tree``: the most frequent
+rank paths, ``runtime.proposers.medusa.measured_rank_paths``) and the tau each tree size gets there; a head ships
+with it (``scripts/ship_head.py --rank-paths REPORT``). Measure it on text the benchmark does not use.
 """
 
 from __future__ import annotations
@@ -26,10 +30,13 @@ from pathlib import Path
 
 import torch
 
-from cli import positive_int  # scripts/cli.py
+from cli import non_negative_int, positive_int  # scripts/cli.py
 
 # Options of one source of conversations, with their defaults (None: given only when set); a flag of the source not
 # chosen is an error rather than silently ignored.
+# the tree sizes a Medusa report gives the measured tree's tau for
+TREE_SIZES = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
 SOURCE_OPTIONS = {
     "--data": {"max_samples": None, "val_samples": 32, "data_seed": 0, "eval_samples": 16},
     "--prompts": {"limit": None, "max_new_tokens": 256, "reply_batch": 16},
@@ -67,7 +74,7 @@ def prompt_replies(target, prompts: list[str], max_new_tokens: int, batch_size: 
 def evaluate_head(head_dir: Path, target_name: str, eval_samples: int, eval_batch: int, depth: int,
                   data: Path | None = None, max_samples: int | None = None, val_samples: int = 32,
                   max_length: int = 512, data_seed: int = 0, prompts: list[str] | None = None,
-                  max_new_tokens: int = 256, reply_batch: int = 16) -> dict:
+                  max_new_tokens: int = 256, reply_batch: int = 16, rank_paths: int = 255) -> dict:
     from heads.formats import load_any_head
     from runtime.benchmark import machine_description
     from runtime.proposers import check_target_adapters
@@ -92,16 +99,22 @@ def evaluate_head(head_dir: Path, target_name: str, eval_samples: int, eval_batc
         report["reply_tokens"] = sum(len(reply) for reply in replies)
         samples = reply_samples(target.tokenizer, prompts, replies, max_length)
         eval_conf = EvalConf(depth=depth, max_samples=len(samples), batch_size=eval_batch)
-        result = samples_acceptance(target, head, head_conf, samples, eval_conf)
+        result = samples_acceptance(target, head, head_conf, samples, eval_conf, rank_paths)
         report["scored_on"] = "the target's greedy replies to the prompts"
     else:
         data_conf = DataConf(source="json", path=str(data), max_samples=max_samples, val_samples=val_samples,
                              max_length=max_length, seed=data_seed, cache=False)
         eval_conf = EvalConf(depth=depth, max_samples=eval_samples, batch_size=eval_batch)
-        result = held_out_acceptance(target, head, head_conf, data_conf, eval_conf)
+        result = held_out_acceptance(target, head, head_conf, data_conf, eval_conf, rank_paths)
         report["scored_on"] = f"the held-out split of {data}"
     report.update(conversations=result["conversations"], positions=result["positions"], acc=result["acc"],
                   tau=result["tau"])
+    if "rank_paths" in result:
+        frequencies = result["rank_path_frequencies"]
+        sizes = [size for size in TREE_SIZES if size <= len(frequencies) + 1]
+        report["tree"] = {"tau_by_size": {str(size): 1 + sum(frequencies[: size - 1]) for size in sizes},
+                          "rank_paths": [list(path) for path in result["rank_paths"]],
+                          "rank_path_frequencies": frequencies}
     return report
 
 
@@ -127,6 +140,8 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-batch", type=positive_int, default=4)
     parser.add_argument("--depth", type=positive_int, default=5, help="draft steps of an EAGLE chain (Medusa: its "
                                                                       "heads)")
+    parser.add_argument("--rank-paths", type=non_negative_int, default=255,
+                        help="Medusa: measure a static tree of at most this many paths (0: none)")
     parser.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     parser.add_argument("--out", type=Path, help="also write the result JSON here")
     args = parser.parse_args(argv)
@@ -161,12 +176,18 @@ def main(argv=None) -> int:
     report = evaluate_head(args.head, args.target or DEFAULT_TARGET, args.eval_samples, args.eval_batch,
                            args.depth, data=args.data, max_samples=args.max_samples, val_samples=args.val_samples,
                            max_length=args.max_length, data_seed=args.data_seed, prompts=prompts,
-                           max_new_tokens=args.max_new_tokens, reply_batch=args.reply_batch)
+                           max_new_tokens=args.max_new_tokens, reply_batch=args.reply_batch,
+                           rank_paths=args.rank_paths)
     report["seconds"] = time.perf_counter() - started
-    text = json.dumps(report, indent=2)
-    print(text)
+    if args.prompts is not None:
+        report["prompts"] = args.prompts
+    shown = dict(report)
+    if "tree" in report:  # hundreds of paths: the file keeps them
+        shown["tree"] = {"tau_by_size": report["tree"]["tau_by_size"],
+                         "rank_paths": f"{len(report['tree']['rank_paths'])} paths" + (" in --out" if args.out else "")}
+    print(json.dumps(shown, indent=2))
     if args.out:
-        args.out.write_text(text + "\n")
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 

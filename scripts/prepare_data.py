@@ -10,6 +10,9 @@
                with --features DIR, the target's hidden states from the passes that generated the replies are
                recorded too (the layers the configured head= reads), and training reads them without a target pass:
                  python training/train.py head=eagle3 features.mode=recorded features.dir=DIR
+  prompts      write the first user turns of conversations SKIP .. SKIP+COUNT-1 as a prompts JSONL (for
+               scripts/eval_head.py --prompts, on conversations no training run used):
+                 python scripts/prepare_data.py prompts --out prompts.jsonl --skip 16000 --count 200
 
 Trailing key=value arguments are the training config's overrides (target, data, head, features, ...). The work is
 done by training.recipe.prepare_features and training.selfdistill.self_distill.
@@ -28,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     features = sub.add_parser("features", help="dump target features for features.mode=offline")
     features.add_argument("overrides", nargs="*", help="training config overrides (key=value)")
+    prompts = sub.add_parser("prompts", help="write conversations' first user turns as a prompts JSONL")
+    prompts.add_argument("--out", type=Path, required=True, help="output JSONL ({\"id\", \"prompt\"} a line)")
+    prompts.add_argument("--skip", type=int, default=0, help="conversations skipped first")
+    prompts.add_argument("--count", type=positive_int, required=True, help="conversations read after them")
+    prompts.add_argument("overrides", nargs="*", help="training config overrides (key=value): data")
     distill = sub.add_parser("selfdistill", help="regenerate assistant turns with the target")
     distill.add_argument("--out", type=Path, required=True, help="output JSONL (appended; resumable)")
     distill.add_argument("--max-new-tokens", type=positive_int, default=256)
@@ -60,6 +68,20 @@ def main(argv: list[str] | None = None) -> int:
         result = prepare_features(compose_config(args.overrides + ["features.mode=offline"]))
         if result["is_main"]:
             print(f"offline features of {result['samples']} samples in {result['store']}")
+    elif args.command == "prompts":
+        import json
+
+        from training.data import first_turn_prompts
+
+        if args.skip < 0:
+            parser.error(f"--skip must be >= 0, got {args.skip}")
+        if args.out.exists():
+            parser.error(f"--out {args.out} exists; choose another path (prompts are never written over a file)")
+        prompts = first_turn_prompts(compose_config(args.overrides).data, args.skip, args.count)
+        if not prompts:
+            parser.error(f"no conversation from number {args.skip} on in the data: lower --skip")
+        args.out.write_text("".join(json.dumps(prompt) + "\n" for prompt in prompts))
+        print(f"{len(prompts)} prompts (conversations {prompts[0]['id']}..{prompts[-1]['id']}) written to {args.out}")
     else:
         from training.selfdistill import DistillSettings, self_distill
 

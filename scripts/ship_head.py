@@ -4,7 +4,8 @@
 
 Weights are stored in bfloat16 (the runtime casts them to the target's dtype on load). The config keeps everything
 the training run recorded and adds the command line, the wall time and the final held-out acceptance, which also
-becomes the head's default tree calibration (``tree.acceptance``).
+becomes the head's default tree calibration (``tree.acceptance``). A Medusa head's static tree measured by
+``scripts/eval_head.py --out REPORT`` ships with ``--rank-paths REPORT`` (``tree.rank_paths``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,30 @@ def tree_sizes(parser, values: list[str], default_dtype: str) -> dict[str, int]:
         if sizes[dtype] < 1:
             parser.error(f"argument --tree-size: {value!r}: a tree has at least 1 node")
     return sizes
+
+
+def rank_paths_tree(report_path: Path, config: dict) -> dict:
+    """The ``tree`` entries of a Medusa tree measured by scripts/eval_head.py (its --out report) for the head of
+    ``config``; a SystemExit naming the problem for any other report."""
+    from runtime.proposers.medusa import check_rank_paths
+
+    try:
+        report = json.loads(report_path.read_text())
+        measured = report["tree"]
+        paths = [tuple(path) for path in measured["rank_paths"]]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SystemExit(f"--rank-paths {report_path}: not a Medusa report of scripts/eval_head.py --out ({error!r}); "
+                         f"measure one with `python scripts/eval_head.py --head HEAD --prompts FILE --out REPORT`") \
+            from None
+    if config["head_type"] != "medusa":
+        raise SystemExit(f"--rank-paths: the head is {config['head_type']}, and only a Medusa head has a static tree")
+    try:
+        check_rank_paths(paths, config["head_config"]["num_heads"], top_k=max(max(path) for path in paths) + 1)
+    except ValueError as error:
+        raise SystemExit(f"--rank-paths {report_path}: {error}") from None
+    return {"rank_paths": [list(path) for path in paths],
+            "rank_path_frequencies": measured.get("rank_path_frequencies"),
+            "rank_paths_measured_on": {key: report.get(key) for key in ("scored_on", "prompts", "positions", "head")}}
 
 
 SHIPPED_FILES = {CONFIG_NAME, WEIGHTS_NAME, "curves.png"}
@@ -79,6 +104,8 @@ def main(argv=None) -> int:
                              "by scripts/tune_tree.py --dtype DTYPE (repeatable: float32=4 --tree-size bfloat16=6; "
                              "plain N: measured in --tree-dtype); a dtype without one gets the cost model's size")
     parser.add_argument("--tree-dtype", default="float32", help="the target dtype of a plain --tree-size N")
+    parser.add_argument("--rank-paths", type=Path, metavar="REPORT",
+                        help="Medusa: the static tree measured by scripts/eval_head.py --out REPORT for this head")
     parser.add_argument("--train-seconds", type=float, help="wall time of the training run, recorded in the config")
     parser.add_argument("--data-command", help="the command that made the run's training data, recorded in the config "
                                                "(e.g. scripts/prepare_data.py selfdistill ...)")
@@ -94,6 +121,7 @@ def main(argv=None) -> int:
     if problem:
         raise SystemExit(f"{problem}; ship to a new NAME or another --into")
     config = read_head_config(head_dir)
+    measured_tree = rank_paths_tree(args.rank_paths, config) if args.rank_paths else {}
     summary_path = args.run_dir / "summary.json"
     if not summary_path.is_file():
         raise SystemExit(f"{summary_path} is missing: ship only a finished run (training writes it at the end)")
@@ -106,6 +134,7 @@ def main(argv=None) -> int:
     for key, value in (("depth", args.depth), ("top_k", args.top_k)):
         if value is not None:
             config["tree"][key] = value
+    config["tree"].update(measured_tree)
     if sizes:
         for key in ("size", "size_dtype", "tokens", "tokens_dtype"):  # the older one-dtype form
             config["tree"].pop(key, None)

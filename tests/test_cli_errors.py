@@ -140,6 +140,8 @@ def edit_config(directory, edit):
     (lambda c: c["tree"].update(size_dtype=32), "tree.size_dtype must be a dtype name"),
     (lambda c: c["tree"].update(sizes={"float32": 0}), "tree.sizes must map a target dtype name to the verified"),
     (lambda c: c["tree"].update(sizes=[4]), "tree.sizes must map a target dtype name"),
+    (lambda c: c["tree"].update(rank_paths=[[0], []]), "tree.rank_paths must be a list of rank paths"),
+    (lambda c: c["tree"].update(rank_paths=[[0], [-1]]), "tree.rank_paths must be a list of rank paths"),
     (lambda c: c.update(tree=[3]), "tree must be an object, got list"),
     (lambda c: c.pop("head_config"), "head_config is missing; a head directory written by training has it"),
     (lambda c: c.pop("target"), "target is missing"),

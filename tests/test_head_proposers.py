@@ -11,7 +11,7 @@ from runtime.attention import ATTN_IMPLEMENTATION
 from runtime.decoder import SpeculativeDecoder
 from runtime.proposers.eagle import EagleProposer
 from runtime.proposers.lookup_first import LookupFirstProposer
-from runtime.proposers.medusa import MedusaProposer, calibrated_choices
+from runtime.proposers.medusa import MedusaProposer, calibrated_choices, measured_rank_paths
 from runtime.proposers.ngram import NgramProposer
 from runtime.sampling import SamplingParams
 from runtime.target import target_from_model
@@ -96,6 +96,37 @@ def test_calibrated_choices_are_ancestor_closed_and_prefer_likely_paths():
     assert all(c[:-1] in choices or len(c) == 1 for c in choices)
     assert (0, 0) in choices and (0, 0, 0) in choices
     assert calibrated_choices([0.9], tree_size=4, top_k=10) == [(0,), (1,), (2,)]
+
+
+def test_measured_rank_paths_are_the_best_tree_of_every_size():
+    """Hand-built ranks of 8 positions under 3 heads: paths come most frequent first, each after its prefix (ties:
+    shorter, then smaller ranks), ranks past top_k end a path; the first T - 1 paths accept what brute force finds."""
+    ranks = torch.tensor([[0, 0, 0], [0, 0, 4], [0, 1, 0], [1, 0, 0], [1, 0, 9], [2, 3, 0], [9, 0, 0], [0, 9, 0]])
+    paths, frequencies = measured_rank_paths(ranks, top_k=5)
+    assert paths[:4] == [(0,), (1,), (0, 0), (1, 0)]  # 4, then three of 2: the shorter first, then smaller ranks
+    assert frequencies[:4] == [4 / 8, 2 / 8, 2 / 8, 2 / 8]
+    assert (9,) not in paths and (1, 0, 9) not in paths and (0, 9) not in paths
+    assert all(len(path) == 1 or path[:-1] in paths[:number] for number, path in enumerate(paths))
+    assert len(paths) == len(set(paths)) == 12 and sum(frequencies) == pytest.approx(18 / 8)
+    for size in range(1, len(paths) + 2):
+        tree = set(paths[: size - 1])
+        accepted = sum(max((d for d in range(1, 4) if tuple(row[:d]) in tree), default=0) for row in ranks.tolist())
+        assert accepted / 8 == pytest.approx(sum(frequencies[: size - 1]))
+    assert measured_rank_paths(ranks, top_k=5, max_paths=2)[0] == [(0,), (1,)]
+
+
+def test_medusa_drafts_the_measured_tree_and_refuses_paths_that_are_not_one():
+    target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
+    paths = [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (2,), (1, 0)]
+    proposer = MedusaProposer(medusa_heads(target), rank_paths=paths)
+    assert proposer._choices(4) == paths[:3] and proposer._choices(20) == paths  # too few paths: all of them
+    for size in (4, 8):
+        result = SpeculativeDecoder(target, proposer, tree_size=size).generate(PROMPTS[1], 24)
+        assert result.tokens == hf_greedy("llama", PROMPTS[1], 24) and max(result.tree_sizes) == size
+    for bad, problem in (([(0, 0), (0,)], "before its prefix"), ([(0,), (0,)], "repeats"),
+                         ([(0,), (0, 0, 0, 0)], "longer than the heads"), ([(0,), (10,)], "outside 0..9")):
+        with pytest.raises(ValueError, match=problem):
+            MedusaProposer(medusa_heads(target), rank_paths=bad)
 
 
 @pytest.mark.parametrize("name", ["eagle", "eagle3-draft-vocab", "medusa", "eagle+ngram"])

@@ -225,6 +225,24 @@ def test_eval_head_script_names_a_wrong_head_or_flag_before_loading_anything(tmp
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
+def test_prepare_data_writes_the_first_turns_of_the_conversations_asked_for(tmp_path):
+    """Conversations are numbered as training numbers them (an unusable record is skipped, not counted); the first
+    user turn of each asked for becomes a prompt that eval_head.py reads; an existing file is never written over."""
+    data = tmp_path / "data.jsonl"
+    records = [{"messages": [{"role": "user", "content": f"question {n}"}, {"role": "assistant", "content": "yes"}]}
+               for n in range(5)]
+    records.insert(2, {"messages": [{"role": "user", "content": "no reply"}]})
+    data.write_text("".join(json.dumps(record) + "\n" for record in records))
+    out = tmp_path / "prompts.jsonl"
+    args = ["prompts", "--out", out, "--skip", "1", "--count", "3", "data.source=json", f"data.path={data}"]
+    run_script("prepare_data.py", *args)
+    from runtime.prompts import read_prompts
+
+    assert read_prompts(out) == [{"id": n, "prompt": f"question {n}"} for n in (1, 2, 3)]
+    refused = run_script("prepare_data.py", *args, check=False)
+    assert refused.returncode == 2 and "exists" in refused.stderr and len(read_prompts(out)) == 3
+
+
 def test_vocab_projection_benchmark_prints_every_row_count():
     result = run_script("bench_vocab_projection.py", "--vocab", "64", "--hidden", "8", "--rows", "1", "3",
                         "--repeats", "2")

@@ -121,8 +121,15 @@ def check_eval_head_script(tiny, run_dir: Path, final_eval: dict, head_type: str
     prompts.write_text("".join(json.dumps({"prompt": f"repeat {w} {n} times"}) + "\n"
                                for w, n in (("abc", 3), ("fed", 4), ("gh", 5))))
     report = eval_head_report(common + ["--prompts", prompts, "--max-new-tokens", "24", "--reply-batch", "2",
-                                        "--max-length", "128"])
+                                        "--max-length", "128", "--out", run_dir / "eval_prompts.json"])
     assert report["head_type"] == head_type and report["conversations"] == 3 and len(report["acc"]) == steps
+    if head_type == "medusa":  # the measured tree: its rank paths count the same matches as the chain's rates
+        tree = json.loads((run_dir / "eval_prompts.json").read_text())["tree"]
+        frequency = dict(zip(map(tuple, tree["rank_paths"]), tree["rank_path_frequencies"]))
+        assert frequency[(0,)] == pytest.approx(report["acc"][0], abs=1e-9)
+        assert frequency.get((0, 0), 0.0) == pytest.approx(report["acc"][0] * report["acc"][1], abs=1e-9)
+        assert report["tree"]["tau_by_size"]["2"] == pytest.approx(1 + report["acc"][0], abs=1e-9)
+        assert sorted(tree["rank_path_frequencies"], reverse=True) == tree["rank_path_frequencies"]
     assert 0 < report["reply_tokens"] <= 3 * 24 and report["positions"] >= report["reply_tokens"] - 3
     reached = [report["positions"]]
     for rate in report["acc"]:
@@ -145,7 +152,7 @@ def check_shipping(run_dir: Path, into: Path, target_dir: Path) -> None:
     data_command = "python scripts/prepare_data.py selfdistill --out sd.jsonl"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "ship_head.py"), str(run_dir), "tiny-medusa", "--into",
                     str(into), "--train-seconds", "12", "--data-command", data_command, "--data-seconds", "5",
-                    "--tree-size", "3", "--tree-size", "bf16=5"],
+                    "--tree-size", "3", "--tree-size", "bf16=5", "--rank-paths", str(run_dir / "eval_prompts.json")],
                    check=True, env=_env(), cwd=ROOT)
     shipped = into / "tiny-medusa"
     config = json.loads((shipped / "config.json").read_text())
@@ -155,6 +162,9 @@ def check_shipping(run_dir: Path, into: Path, target_dir: Path) -> None:
     proposer = build_proposer(ProposerSpec("medusa", head=str(shipped)), load_target(str(target_dir)))
     assert proposer.head_accuracy == config["tree"]["acceptance"]
     assert config["tree"]["sizes"] == {"float32": 3, "bfloat16": 5} and proposer.tree_size == 3
+    measured = json.loads((run_dir / "eval_prompts.json").read_text())["tree"]["rank_paths"]
+    assert config["tree"]["rank_paths"] == measured and proposer.rank_paths == [tuple(p) for p in measured]
+    assert proposer._choices(3) == [tuple(p) for p in measured[:2]]  # the measured tree, not the calibrated one
     # the destination is replaced whole: a directory that is not a shipped head, the run's own included, is refused
     (into / "notes").mkdir()
     (into / "notes" / "mine.txt").write_text("keep")

@@ -195,6 +195,26 @@ def collect_conversations(data_conf) -> list[list[dict]]:
     return conversations
 
 
+def first_turn_prompts(data_conf, skip: int, count: int) -> list[dict]:
+    """[{"id", "prompt"}]: the first user turn of the usable conversations number ``skip`` to ``skip + count - 1`` of
+    the data (in file order, as ``collect_conversations`` numbers them): prompts for measuring a head on text a
+    training run on the first conversations never saw."""
+    prompts = []
+    number = -1
+    for record in read_records(data_conf.source, data_conf.path, data_conf.split, data_conf.subset):
+        messages = normalize_conversation(record)
+        if messages is None:
+            continue
+        number += 1
+        if number < skip:
+            continue
+        if number >= skip + count:
+            break
+        if messages[0]["role"] == "user" and messages[0]["content"].strip():
+            prompts.append({"id": number, "prompt": messages[0]["content"]})
+    return prompts
+
+
 def build_splits(data_conf, tokenizer):
     """Tokenize and split: returns a ``datasets.DatasetDict`` with "train" and "validation"."""
     from datasets import Dataset, DatasetDict

@@ -97,6 +97,20 @@ def medusa_matches(heads, batch: dict, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def medusa_ranks(heads, batch: dict, hidden: torch.Tensor) -> torch.Tensor:
+    """Ranks [N, heads] of the greedy branch's tokens under each of Medusa's heads (0 = the head's top token), over
+    the rows ``medusa_matches`` scores (a match there is a rank of 0 here)."""
+    rows, cols = next_token_mask(batch["assistant_mask"]).nonzero(as_tuple=True)
+    selected = hidden[rows, cols]
+    ranks = []
+    for i in range(heads.num_heads):
+        logits = heads.head_logits(i, selected)
+        truth = logits.gather(-1, batch["branches"][rows, cols, i + 1, None])
+        ranks.append((logits > truth).sum(-1))
+    return torch.stack(ranks, dim=-1)
+
+
+@torch.no_grad()
 def evaluate_acceptance(objective, prepared_batches: list[dict], depth: int, rank: int, world: int,
                         all_reduce=lambda tensor: tensor) -> dict:
     """Acceptance over this rank's share of the held-out batches, summed over ranks. ``objective`` is the
@@ -132,25 +146,27 @@ def evaluation_batches(split, eval_conf) -> list[list[dict]]:
             for start in range(0, len(rows), eval_conf.batch_size)]
 
 
-def held_out_acceptance(target, head, head_conf, data_conf, eval_conf) -> dict:
+def held_out_acceptance(target, head, head_conf, data_conf, eval_conf, rank_paths: int = 0) -> dict:
     """``head``'s acceptance on the conversations a training run with ``data_conf`` holds out, scored as that run's
     evaluations score it (``eval_conf``): {"acc": acc@1..K, "tau", "val_loss", "positions", "conversations"}.
 
     ``head``: a head of ``head_conf``'s type on ``target`` (ours or one trained elsewhere, as
-    ``heads.formats.load_any_head`` reads it), in the dtype to evaluate in; one process, no training engine."""
+    ``heads.formats.load_any_head`` reads it), in the dtype to evaluate in; one process, no training engine.
+    ``rank_paths``: as ``samples_acceptance``'s."""
     from training.data import build_splits
 
     if not data_conf.val_samples or eval_conf.max_samples < 1:
         raise ValueError(f"no held-out conversation to evaluate: data.val_samples={data_conf.val_samples}, "
                          f"eval.max_samples={eval_conf.max_samples}; give both at least 1")
     return samples_acceptance(target, head, head_conf, build_splits(data_conf, target.tokenizer)["validation"],
-                              eval_conf)
+                              eval_conf, rank_paths)
 
 
-def samples_acceptance(target, head, head_conf, samples, eval_conf) -> dict:
+def samples_acceptance(target, head, head_conf, samples, eval_conf, rank_paths: int = 0) -> dict:
     """``head``'s acceptance on tokenized conversations ``samples`` (items {"input_ids", "assistant_mask"}; the
     first ``eval_conf.max_samples`` count), scored as a training run's evaluation scores its held-out split; the
-    result as ``held_out_acceptance``'s."""
+    result as ``held_out_acceptance``'s. For a Medusa head and ``rank_paths`` > 0 it adds the static tree measured
+    on the same positions: "rank_paths" and "rank_path_frequencies" (``measured_rank_paths``, that many at most)."""
     from training.data import collate, pad_token_id
     from training.metrics import acceptance_rates
     from training.objectives import HeadObjective
@@ -162,8 +178,14 @@ def samples_acceptance(target, head, head_conf, samples, eval_conf) -> dict:
     objective = HeadObjective(head, head_conf, target.lm_head.weight, target.softcap, pad_id=pad_id)
     result = evaluate_acceptance(objective, prepared, eval_depth(head_conf, eval_conf), 0, 1)
     acc, tau = acceptance_rates(result["reached"])
-    return {"acc": acc, "tau": tau, "val_loss": result["val_loss"], "positions": int(result["reached"][0]),
-            "conversations": sum(len(rows) for rows in batches)}
+    report = {"acc": acc, "tau": tau, "val_loss": result["val_loss"], "positions": int(result["reached"][0]),
+              "conversations": sum(len(rows) for rows in batches)}
+    if rank_paths and head.head_type == "medusa":
+        from runtime.proposers.medusa import measured_rank_paths
+
+        ranks = torch.cat([medusa_ranks(head, batch, batch["hidden"]) for batch in prepared])
+        report["rank_paths"], report["rank_path_frequencies"] = measured_rank_paths(ranks, max_paths=rank_paths)
+    return report
 
 
 def reply_samples(tokenizer, prompts: list[str], replies: list[list[int]], max_length: int,

@@ -25,7 +25,8 @@ def load_head_proposer(head_type: str, head_dir: str, target) -> Proposer:
     Tree defaults come from the head's config: ``depth`` and ``top_k`` for EAGLE, optionally ``sizes`` (the verified
     tree size measured best by scripts/tune_tree.py in each target dtype, ``{"float32": 4, "bfloat16": 6}``; older
     heads: one ``size`` measured in ``size_dtype``) for both head types, and the acceptance measured during training
-    (``acceptance``, acc@1..K), which calibrates Medusa's static tree and otherwise sizes the verified tree; its
+    (``acceptance``, acc@1..K), which calibrates Medusa's static tree (unless the config holds ``rank_paths``, the
+    tree measured by scripts/eval_head.py) and otherwise sizes the verified tree; its
     acc@1 is the proposer's ``trained_acceptance`` (None when the config has none), which ``runtime.monitor`` holds
     the rolling acceptance to.
     A Medusa-2 head (trained with LoRA adapters on its target) loads only for a target with those adapters merged
@@ -55,7 +56,7 @@ def load_head_proposer(head_type: str, head_dir: str, target) -> Proposer:
         from runtime.proposers.medusa import MedusaProposer
 
         proposer = MedusaProposer(head, head_accuracy=accuracy[: head.num_heads] if accuracy else None,
-                                  tree_size=tree_size)
+                                  tree_size=tree_size, rank_paths=tree.get("rank_paths"))
     else:
         from runtime.proposers.eagle import EagleProposer
 

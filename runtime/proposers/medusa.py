@@ -36,9 +36,53 @@ def calibrated_choices(head_accuracy: list[float], tree_size: int, top_k: int = 
     return chosen
 
 
+def measured_rank_paths(ranks: torch.Tensor, top_k: int = 10,
+                        max_paths: int = 255) -> tuple[list[tuple[int, ...]], list[float]]:
+    """The static Medusa tree measured on text: ranks [N, D] long, ranks[n, d] the rank of the target's own token
+    under head d at position n (0 = the head's top token) -> (paths, frequencies), at most ``max_paths`` of each.
+
+    A path (r_1, ..., r_k) is a rank prefix seen at some position with every r_i < ``top_k``; its frequency is the
+    fraction of the N positions whose ranks start with it. Paths come most frequent first, each after its own
+    prefixes (a prefix is at least as frequent; ties go to the shorter path, then the smaller ranks). A tree of the
+    first T - 1 paths is ancestor-closed and, at a position, gets exactly as many drafts accepted as it holds
+    prefixes of that position's ranks, so it accepts sum(frequencies[:T - 1]) drafts per pass on the measured text:
+    the most any tree of T nodes accepts there (calibrated_choices estimates the same from per-head rates).
+    """
+    if ranks.dim() != 2:
+        raise ValueError(f"ranks must be [positions, heads], got shape {tuple(ranks.shape)}")
+    positions, depth = ranks.shape
+    counts: dict[tuple[int, ...], int] = {}
+    inside = torch.ones(positions, dtype=torch.bool, device=ranks.device)
+    for length in range(1, depth + 1):
+        inside &= ranks[:, length - 1] < top_k  # a prefix with a rank past top_k is not in any tree
+        if not inside.any():
+            break
+        prefixes, seen = ranks[inside, :length].unique(dim=0, return_counts=True)
+        counts.update(zip(map(tuple, prefixes.tolist()), seen.tolist()))
+    paths = sorted(counts, key=lambda path: (-counts[path], len(path), path))[:max_paths]
+    return paths, [counts[path] / max(positions, 1) for path in paths]
+
+
+def check_rank_paths(paths: list[tuple[int, ...]], num_heads: int, top_k: int) -> None:
+    """A ValueError unless ``paths`` is a measured tree for ``num_heads`` heads: each path of 1..num_heads ranks
+    below ``top_k``, after its own prefix, none twice (any first T - 1 of them then make a tree)."""
+    seen: set[tuple[int, ...]] = set()
+    for number, path in enumerate(paths):
+        problem = ("is empty or longer than the heads" if not 1 <= len(path) <= num_heads
+                   else f"has a rank outside 0..{top_k - 1}" if not all(0 <= rank < top_k for rank in path)
+                   else "repeats an earlier path" if path in seen
+                   else f"comes before its prefix {path[:-1]}" if len(path) > 1 and path[:-1] not in seen else None)
+        if problem:
+            raise ValueError(f"Medusa rank path {number} {list(path)} {problem}; rank paths come from "
+                             f"measured_rank_paths for a head of {num_heads} heads (remeasure them with "
+                             f"scripts/eval_head.py)")
+        seen.add(path)
+
+
 class MedusaProposer:
-    """``heads``: MedusaHeads attached to the target's weights. ``choices`` fixes the tree; by default it is
-    calibrated from ``head_accuracy`` (per-head top-1 acceptance, e.g. measured during training) and the tree_size.
+    """``heads``: MedusaHeads attached to the target's weights. ``choices`` fixes the tree; by default a tree of T
+    nodes is the first T - 1 of ``rank_paths`` (``measured_rank_paths``, most frequent first) where given, else
+    calibrated from ``head_accuracy`` (per-head top-1 acceptance, e.g. measured during training).
     ``tree_size``: a measured verified-tree size (None: the cost model sizes it from ``head_accuracy[0]``); with
     ``choices``, at least the tree they make, which the decoder then keeps (``own_tree_size``)."""
 
@@ -47,8 +91,11 @@ class MedusaProposer:
     needs_hidden = True
 
     def __init__(self, heads, choices: list[tuple[int, ...]] | None = None, head_accuracy: list[float] | None = None,
-                 top_k: int = 10, tree_size: int | None = None):
+                 top_k: int = 10, tree_size: int | None = None, rank_paths: list[tuple[int, ...]] | None = None):
         self.heads = heads
+        self.rank_paths = [tuple(path) for path in rank_paths] if rank_paths else None
+        if self.rank_paths:
+            check_rank_paths(self.rank_paths, heads.num_heads, top_k)
         self.tree_size = tree_size
         self.top_k = top_k
         self.choices = [tuple(c) for c in choices] if choices is not None else None
@@ -71,13 +118,20 @@ class MedusaProposer:
             return [self._trees([step])[0] for step in steps]
         return self._trees(steps)
 
+    def _choices(self, tree_size: int) -> list[tuple[int, ...]]:
+        """The tree of ``tree_size`` nodes: the measured paths (all of them where they make fewer nodes), else the
+        calibrated estimate."""
+        if self.rank_paths:
+            return self.rank_paths[: tree_size - 1]
+        return calibrated_choices(self.head_accuracy, tree_size, self.top_k)
+
     @torch.inference_mode()
     def _trees(self, steps: list[ProposeInput]) -> list[Tree]:
         """One tree per step (all of one tree size)."""
         tree_size = steps[0].tree_size
         if tree_size <= 1:  # the decoder verifies the root alone (plain decoding): nothing to draft
             return [Tree.chain(int(step.history[-1]), [], device=step.history.device) for step in steps]
-        choices = self.choices or calibrated_choices(self.head_accuracy, tree_size, self.top_k)
+        choices = self.choices or self._choices(tree_size)
         nodes = 1 + len(closed_choices(choices))
         if nodes > tree_size:
             raise ValueError(f"{len(choices)} Medusa choices need a tree of at least {nodes} nodes, got tree_size="
