@@ -113,9 +113,25 @@ def evaluate_head(head_dir: Path, target_name: str, eval_samples: int, eval_batc
         frequencies = result["rank_path_frequencies"]
         sizes = [size for size in TREE_SIZES if size <= len(frequencies) + 1]
         report["tree"] = {"tau_by_size": {str(size): 1 + sum(frequencies[: size - 1]) for size in sizes},
+                          **head_tree_taus(head, saved.get("tree", {}), result["path_frequency"], sizes),
                           "rank_paths": [list(path) for path in result["rank_paths"]],
                           "rank_path_frequencies": frequencies}
     return report
+
+
+def head_tree_taus(head, tree: dict, frequency: dict, sizes: list[int]) -> dict:
+    """Tau by size, on the scored text, of the trees the head's config makes the runtime draft: its measured rank
+    paths where it has them, and the estimate from its acceptance (what a head without them drafts)."""
+    from runtime.proposers.medusa import MedusaProposer, tree_tau
+
+    taus = {}
+    accuracy = tree.get("acceptance")
+    estimated = MedusaProposer(head, head_accuracy=accuracy[: head.num_heads] if accuracy else None)
+    taus["tau_by_size_estimated_tree"] = {str(size): tree_tau(estimated._choices(size), frequency) for size in sizes}
+    if tree.get("rank_paths"):
+        own = MedusaProposer(head, rank_paths=tree["rank_paths"])
+        taus["tau_by_size_head_tree"] = {str(size): tree_tau(own._choices(size), frequency) for size in sizes}
+    return taus
 
 
 def main(argv=None) -> int:
@@ -183,7 +199,7 @@ def main(argv=None) -> int:
         report["prompts"] = args.prompts
     shown = dict(report)
     if "tree" in report:  # hundreds of paths: the file keeps them
-        shown["tree"] = {"tau_by_size": report["tree"]["tau_by_size"],
+        shown["tree"] = {**{key: value for key, value in report["tree"].items() if key.startswith("tau_by_size")},
                          "rank_paths": f"{len(report['tree']['rank_paths'])} paths" + (" in --out" if args.out else "")}
     print(json.dumps(shown, indent=2))
     if args.out:

@@ -8,11 +8,14 @@
 # on self-distilled data (the target's own greedy replies to the first 400 ShareGPT prompts); the Medusa head's
 # stage 2 continues it on the same replies. Stage 4 continues the EAGLE-3 head on the target's bf16 greedy replies
 # to the first 1664 ShareGPT prompts, with the features recorded while generating them (no target pass in
-# training). Each shipped config.json records its commands and wall times; the curves and acceptance of each stage
+# training). The Medusa head's stages 3 and 4 continue it on such a store of its own (replies to the first 1532
+# prompts, the last hidden state recorded), two passes at a constant learning rate, then two more with the rate
+# decaying; its static tree is then measured on the target's replies to ShareGPT prompts 16000-16127, which no stage
+# trains on. Each shipped config.json records its commands and wall times; the curves and acceptance of each stage
 # are in scripts/results/README.md. The configs also carry the runtime's tree defaults, chosen with
-# scripts/tune_tree.py in each dtype (EAGLE-3 depth 4, top-k 16, 2 verified tokens in fp32 and 8 in bf16, measured
-# on a CPU with AMX, where extra rows of a bf16 pass are cheap; Medusa 4 verified tokens, measured in fp32), the size
-# adaptive tree sizing starts from.
+# scripts/tune_tree.py in each dtype (EAGLE-3 depth 4, top-k 16, 2 verified tokens in fp32 and 8 in bf16; Medusa 2
+# in fp32 and 6 in bf16; measured on a CPU with AMX, where extra rows of a bf16 pass are cheap), the size adaptive
+# tree sizing starts from.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-runs}
@@ -76,6 +79,29 @@ timed "$RUNS/medusa-sd.seconds" python training/train.py head=medusa trainer.thr
   trainer.warmup_steps=10 data=selfdistill data.path="$RUNS/sd/sharegpt_sd.jsonl" data.val_samples=24 \
   eval.at_start=true eval.every=100 eval.max_samples=24 checkpoint.every=20 \
   init_from="$RUNS/stages/smollm2-135m-medusa-stage1" output_dir="$RUNS/smollm2-medusa-sd"
-python scripts/ship_head.py "$RUNS/smollm2-medusa-sd" smollm2-135m-medusa --tree-size 4 \
+python scripts/ship_head.py "$RUNS/smollm2-medusa-sd" smollm2-135m-medusa-stage2 --into "$RUNS/stages" \
   --train-seconds "$(cat "$RUNS/medusa-sd.seconds")" \
   --data-command "$SELFDISTILL" --data-seconds "$(cat "$RUNS/sd.seconds")"
+
+RECORD_MEDUSA="python scripts/prepare_data.py selfdistill --out $RUNS/sdm/sharegpt_sd.jsonl --features $RUNS/sdm/store \
+--max-new-tokens 256 --batch-size 32 --chunk 256 --dtype bfloat16 head=medusa data.max_samples=1500"
+timed "$RUNS/sdm.seconds" $RECORD_MEDUSA
+MEDUSA_RECORDED="head=medusa head.lr=5e-4 trainer.lr=5e-4 trainer.warmup_steps=10 trainer.precision=bf16 \
+trainer.threads=2 trainer.max_steps=560 features.mode=recorded features.dir=$RUNS/sdm/store \
+features.first_conversation=368 data.val_samples=32 eval.max_samples=32 checkpoint.every=70"
+timed "$RUNS/medusa-recorded.seconds" python training/train.py $MEDUSA_RECORDED trainer.min_lr_ratio=1.0 \
+  eval.at_start=true eval.every=140 init_from="$RUNS/stages/smollm2-135m-medusa-stage2" \
+  output_dir="$RUNS/smollm2-medusa-recorded"
+python scripts/ship_head.py "$RUNS/smollm2-medusa-recorded" smollm2-135m-medusa-stage3 --into "$RUNS/stages" \
+  --train-seconds "$(cat "$RUNS/medusa-recorded.seconds")" \
+  --data-command "$RECORD_MEDUSA" --data-seconds "$(cat "$RUNS/sdm.seconds")"
+timed "$RUNS/medusa-anneal.seconds" python training/train.py $MEDUSA_RECORDED trainer.min_lr_ratio=0.05 \
+  eval.at_start=false eval.every=280 init_from="$RUNS/stages/smollm2-135m-medusa-stage3" \
+  output_dir="$RUNS/smollm2-medusa-anneal"
+# the static tree, measured on the target's replies to ShareGPT prompts that no stage trained on
+python scripts/prepare_data.py prompts --out "$RUNS/calibration_prompts.jsonl" --skip 16000 --count 200
+python scripts/eval_head.py --head "$RUNS/smollm2-medusa-anneal/head" --prompts "$RUNS/calibration_prompts.jsonl" \
+  --limit 128 --out "$RUNS/medusa_tree.json"
+python scripts/ship_head.py "$RUNS/smollm2-medusa-anneal" smollm2-135m-medusa --rank-paths "$RUNS/medusa_tree.json" \
+  --tree-size float32=2 --tree-size bfloat16=6 --train-seconds "$(cat "$RUNS/medusa-anneal.seconds")" \
+  --data-command "$RECORD_MEDUSA" --data-seconds "$(cat "$RUNS/sdm.seconds")"

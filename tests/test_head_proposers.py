@@ -11,7 +11,7 @@ from runtime.attention import ATTN_IMPLEMENTATION
 from runtime.decoder import SpeculativeDecoder
 from runtime.proposers.eagle import EagleProposer
 from runtime.proposers.lookup_first import LookupFirstProposer
-from runtime.proposers.medusa import MedusaProposer, calibrated_choices, measured_rank_paths
+from runtime.proposers.medusa import MedusaProposer, calibrated_choices, measured_rank_paths, tree_tau
 from runtime.proposers.ngram import NgramProposer
 from runtime.sampling import SamplingParams
 from runtime.target import target_from_model
@@ -113,6 +113,11 @@ def test_measured_rank_paths_are_the_best_tree_of_every_size():
         accepted = sum(max((d for d in range(1, 4) if tuple(row[:d]) in tree), default=0) for row in ranks.tolist())
         assert accepted / 8 == pytest.approx(sum(frequencies[: size - 1]))
     assert measured_rank_paths(ranks, top_k=5, max_paths=2)[0] == [(0,), (1,)]
+    frequency = dict(zip(paths, frequencies))
+    for choices in ([(0, 0, 0)], [(2, 3), (1,)], [(0, 1, 0), (4,)]):  # any tree (ranks < top_k), prefixes implied
+        tree = {tuple(c[:i]) for c in choices for i in range(1, len(c) + 1)}
+        accepted = sum(max((d for d in range(1, 4) if tuple(row[:d]) in tree), default=0) for row in ranks.tolist())
+        assert tree_tau(choices, frequency) == pytest.approx(1 + accepted / 8)
 
 
 def test_medusa_drafts_the_measured_tree_and_refuses_paths_that_are_not_one():

@@ -130,6 +130,8 @@ def check_eval_head_script(tiny, run_dir: Path, final_eval: dict, head_type: str
         assert frequency.get((0, 0), 0.0) == pytest.approx(report["acc"][0] * report["acc"][1], abs=1e-9)
         assert report["tree"]["tau_by_size"]["2"] == pytest.approx(1 + report["acc"][0], abs=1e-9)
         assert sorted(tree["rank_path_frequencies"], reverse=True) == tree["rank_path_frequencies"]
+        best, estimated = tree["tau_by_size"], tree["tau_by_size_estimated_tree"]  # no tree beats the measured one
+        assert estimated.keys() == best.keys() and all(estimated[n] <= best[n] + 1e-9 for n in best)
     assert 0 < report["reply_tokens"] <= 3 * 24 and report["positions"] >= report["reply_tokens"] - 3
     reached = [report["positions"]]
     for rate in report["acc"]:

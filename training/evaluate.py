@@ -166,7 +166,9 @@ def samples_acceptance(target, head, head_conf, samples, eval_conf, rank_paths: 
     """``head``'s acceptance on tokenized conversations ``samples`` (items {"input_ids", "assistant_mask"}; the
     first ``eval_conf.max_samples`` count), scored as a training run's evaluation scores its held-out split; the
     result as ``held_out_acceptance``'s. For a Medusa head and ``rank_paths`` > 0 it adds the static tree measured
-    on the same positions: "rank_paths" and "rank_path_frequencies" (``measured_rank_paths``, that many at most)."""
+    on the same positions: "rank_paths" and "rank_path_frequencies" (``measured_rank_paths``, that many at most),
+    and "path_frequency", {path: frequency} of every path seen (``runtime.proposers.medusa.tree_tau`` scores any
+    tree with it)."""
     from training.data import collate, pad_token_id
     from training.metrics import acceptance_rates
     from training.objectives import HeadObjective
@@ -184,7 +186,9 @@ def samples_acceptance(target, head, head_conf, samples, eval_conf, rank_paths: 
         from runtime.proposers.medusa import measured_rank_paths
 
         ranks = torch.cat([medusa_ranks(head, batch, batch["hidden"]) for batch in prepared])
-        report["rank_paths"], report["rank_path_frequencies"] = measured_rank_paths(ranks, max_paths=rank_paths)
+        paths, frequencies = measured_rank_paths(ranks, max_paths=None)
+        report["rank_paths"], report["rank_path_frequencies"] = paths[:rank_paths], frequencies[:rank_paths]
+        report["path_frequency"] = dict(zip(paths, frequencies))  # every path seen: scores any tree
     return report
 
 

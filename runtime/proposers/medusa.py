@@ -37,7 +37,7 @@ def calibrated_choices(head_accuracy: list[float], tree_size: int, top_k: int = 
 
 
 def measured_rank_paths(ranks: torch.Tensor, top_k: int = 10,
-                        max_paths: int = 255) -> tuple[list[tuple[int, ...]], list[float]]:
+                        max_paths: int | None = 255) -> tuple[list[tuple[int, ...]], list[float]]:
     """The static Medusa tree measured on text: ranks [N, D] long, ranks[n, d] the rank of the target's own token
     under head d at position n (0 = the head's top token) -> (paths, frequencies), at most ``max_paths`` of each.
 
@@ -47,6 +47,7 @@ def measured_rank_paths(ranks: torch.Tensor, top_k: int = 10,
     first T - 1 paths is ancestor-closed and, at a position, gets exactly as many drafts accepted as it holds
     prefixes of that position's ranks, so it accepts sum(frequencies[:T - 1]) drafts per pass on the measured text:
     the most any tree of T nodes accepts there (calibrated_choices estimates the same from per-head rates).
+    ``max_paths=None`` keeps every path seen (what ``tree_tau`` needs to score any tree).
     """
     if ranks.dim() != 2:
         raise ValueError(f"ranks must be [positions, heads], got shape {tuple(ranks.shape)}")
@@ -61,6 +62,12 @@ def measured_rank_paths(ranks: torch.Tensor, top_k: int = 10,
         counts.update(zip(map(tuple, prefixes.tolist()), seen.tolist()))
     paths = sorted(counts, key=lambda path: (-counts[path], len(path), path))[:max_paths]
     return paths, [counts[path] / max(positions, 1) for path in paths]
+
+
+def tree_tau(choices: list[tuple[int, ...]], frequency: dict[tuple[int, ...], float]) -> float:
+    """Tokens per pass a static tree of ``choices`` (prefixes added) gets on text whose rank-path frequencies are
+    ``frequency`` (every path ``measured_rank_paths`` saw there): 1 + the frequencies of the tree's paths."""
+    return 1.0 + sum(frequency.get(path, 0.0) for path in closed_choices(choices))
 
 
 def check_rank_paths(paths: list[tuple[int, ...]], num_heads: int, top_k: int) -> None:
