@@ -32,11 +32,11 @@ import torch
 
 from cli import non_negative_int, positive_int  # scripts/cli.py
 
-# Options of one source of conversations, with their defaults (None: given only when set); a flag of the source not
-# chosen is an error rather than silently ignored.
-# the tree sizes a Medusa report gives the measured tree's tau for
+# the tree sizes a Medusa report gives the trees' tau for
 TREE_SIZES = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
+# Options of one source of conversations, with their defaults (None: given only when set); a flag of the source not
+# chosen is an error rather than silently ignored.
 SOURCE_OPTIONS = {
     "--data": {"max_samples": None, "val_samples": 32, "data_seed": 0, "eval_samples": 16},
     "--prompts": {"limit": None, "max_new_tokens": 256, "reply_batch": 16},
@@ -74,7 +74,7 @@ def prompt_replies(target, prompts: list[str], max_new_tokens: int, batch_size: 
 def evaluate_head(head_dir: Path, target_name: str, eval_samples: int, eval_batch: int, depth: int,
                   data: Path | None = None, max_samples: int | None = None, val_samples: int = 32,
                   max_length: int = 512, data_seed: int = 0, prompts: list[str] | None = None,
-                  max_new_tokens: int = 256, reply_batch: int = 16, rank_paths: int = 255) -> dict:
+                  max_new_tokens: int = 256, reply_batch: int = 16, max_rank_paths: int = 255) -> dict:
     from heads.formats import load_any_head
     from runtime.benchmark import machine_description
     from runtime.proposers import check_target_adapters
@@ -99,13 +99,13 @@ def evaluate_head(head_dir: Path, target_name: str, eval_samples: int, eval_batc
         report["reply_tokens"] = sum(len(reply) for reply in replies)
         samples = reply_samples(target.tokenizer, prompts, replies, max_length)
         eval_conf = EvalConf(depth=depth, max_samples=len(samples), batch_size=eval_batch)
-        result = samples_acceptance(target, head, head_conf, samples, eval_conf, rank_paths)
+        result = samples_acceptance(target, head, head_conf, samples, eval_conf, max_rank_paths)
         report["scored_on"] = "the target's greedy replies to the prompts"
     else:
         data_conf = DataConf(source="json", path=str(data), max_samples=max_samples, val_samples=val_samples,
                              max_length=max_length, seed=data_seed, cache=False)
         eval_conf = EvalConf(depth=depth, max_samples=eval_samples, batch_size=eval_batch)
-        result = held_out_acceptance(target, head, head_conf, data_conf, eval_conf, rank_paths)
+        result = held_out_acceptance(target, head, head_conf, data_conf, eval_conf, max_rank_paths)
         report["scored_on"] = f"the held-out split of {data}"
     report.update(conversations=result["conversations"], positions=result["positions"], acc=result["acc"],
                   tau=result["tau"])
@@ -124,14 +124,12 @@ def head_tree_taus(head, tree: dict, frequency: dict, sizes: list[int]) -> dict:
     paths where it has them, and the estimate from its acceptance (what a head without them drafts)."""
     from runtime.proposers.medusa import MedusaProposer, tree_tau
 
-    taus = {}
     accuracy = tree.get("acceptance")
-    estimated = MedusaProposer(head, head_accuracy=accuracy[: head.num_heads] if accuracy else None)
-    taus["tau_by_size_estimated_tree"] = {str(size): tree_tau(estimated._choices(size), frequency) for size in sizes}
+    proposers = {"estimated": MedusaProposer(head, head_accuracy=accuracy[: head.num_heads] if accuracy else None)}
     if tree.get("rank_paths"):
-        own = MedusaProposer(head, rank_paths=tree["rank_paths"])
-        taus["tau_by_size_head_tree"] = {str(size): tree_tau(own._choices(size), frequency) for size in sizes}
-    return taus
+        proposers["head"] = MedusaProposer(head, rank_paths=tree["rank_paths"])
+    return {f"tau_by_size_{name}_tree": {str(size): tree_tau(proposer.tree_choices(size), frequency) for size in sizes}
+            for name, proposer in proposers.items()}
 
 
 def main(argv=None) -> int:
@@ -156,7 +154,7 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-batch", type=positive_int, default=4)
     parser.add_argument("--depth", type=positive_int, default=5, help="draft steps of an EAGLE chain (Medusa: its "
                                                                       "heads)")
-    parser.add_argument("--rank-paths", type=non_negative_int, default=255,
+    parser.add_argument("--max-rank-paths", type=non_negative_int, default=255,
                         help="Medusa: measure a static tree of at most this many paths (0: none)")
     parser.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
     parser.add_argument("--out", type=Path, help="also write the result JSON here")
@@ -193,7 +191,7 @@ def main(argv=None) -> int:
                            args.depth, data=args.data, max_samples=args.max_samples, val_samples=args.val_samples,
                            max_length=args.max_length, data_seed=args.data_seed, prompts=prompts,
                            max_new_tokens=args.max_new_tokens, reply_batch=args.reply_batch,
-                           rank_paths=args.rank_paths)
+                           max_rank_paths=args.max_rank_paths)
     report["seconds"] = time.perf_counter() - started
     if args.prompts is not None:
         report["prompts"] = args.prompts

@@ -43,7 +43,7 @@ def tree_sizes(parser, values: list[str], default_dtype: str) -> dict[str, int]:
 def rank_paths_tree(report_path: Path, config: dict) -> dict:
     """The ``tree`` entries of a Medusa tree measured by scripts/eval_head.py (its --out report) for the head of
     ``config``; a SystemExit naming the problem for any other report."""
-    from runtime.proposers.medusa import check_rank_paths
+    from runtime.proposers.medusa import TOP_K, check_rank_paths
 
     try:
         report = json.loads(report_path.read_text())
@@ -56,7 +56,7 @@ def rank_paths_tree(report_path: Path, config: dict) -> dict:
     if config["head_type"] != "medusa":
         raise SystemExit(f"--rank-paths: the head is {config['head_type']}, and only a Medusa head has a static tree")
     try:
-        check_rank_paths(paths, config["head_config"]["num_heads"], top_k=max(max(path) for path in paths) + 1)
+        check_rank_paths(paths, config["head_config"]["num_heads"], TOP_K)  # what the runtime loads
     except ValueError as error:
         raise SystemExit(f"--rank-paths {report_path}: {error}") from None
     return {"rank_paths": [list(path) for path in paths],

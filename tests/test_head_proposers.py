@@ -124,7 +124,7 @@ def test_medusa_drafts_the_measured_tree_and_refuses_paths_that_are_not_one():
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
     paths = [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (2,), (1, 0)]
     proposer = MedusaProposer(medusa_heads(target), rank_paths=paths)
-    assert proposer._choices(4) == paths[:3] and proposer._choices(20) == paths  # too few paths: all of them
+    assert proposer.tree_choices(4) == paths[:3] and proposer.tree_choices(20) == paths  # too few paths: all of them
     for size in (4, 8):
         result = SpeculativeDecoder(target, proposer, tree_size=size).generate(PROMPTS[1], 24)
         assert result.tokens == hf_greedy("llama", PROMPTS[1], 24) and max(result.tree_sizes) == size

@@ -166,7 +166,7 @@ def check_shipping(run_dir: Path, into: Path, target_dir: Path) -> None:
     assert config["tree"]["sizes"] == {"float32": 3, "bfloat16": 5} and proposer.tree_size == 3
     measured = json.loads((run_dir / "eval_prompts.json").read_text())["tree"]["rank_paths"]
     assert config["tree"]["rank_paths"] == measured and proposer.rank_paths == [tuple(p) for p in measured]
-    assert proposer._choices(3) == [tuple(p) for p in measured[:2]]  # the measured tree, not the calibrated one
+    assert proposer.tree_choices(3) == [tuple(p) for p in measured[:2]]  # the measured tree, not the calibrated one
     # the destination is replaced whole: a directory that is not a shipped head, the run's own included, is refused
     (into / "notes").mkdir()
     (into / "notes" / "mine.txt").write_text("keep")

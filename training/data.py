@@ -9,6 +9,7 @@ self-distilled set from training/selfdistill.py), or a Hugging Face dataset. Tok
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -180,15 +181,17 @@ def cache_key(data_conf, tokenizer) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:16]
 
 
-def collect_conversations(data_conf) -> list[list[dict]]:
-    wanted = None if data_conf.max_samples is None else data_conf.max_samples + data_conf.val_samples
-    conversations = []
+def usable_conversations(data_conf) -> Iterator[list[dict]]:
+    """The data's conversations that ``normalize_conversation`` keeps, in file order."""
     for record in read_records(data_conf.source, data_conf.path, data_conf.split, data_conf.subset):
         messages = normalize_conversation(record)
         if messages is not None:
-            conversations.append(messages)
-            if wanted is not None and len(conversations) >= wanted:
-                break
+            yield messages
+
+
+def collect_conversations(data_conf) -> list[list[dict]]:
+    wanted = None if data_conf.max_samples is None else data_conf.max_samples + data_conf.val_samples
+    conversations = list(itertools.islice(usable_conversations(data_conf), wanted))
     if len(conversations) <= data_conf.val_samples:
         raise ValueError(f"only {len(conversations)} usable conversations in the data; need more than "
                          f"data.val_samples={data_conf.val_samples}")
@@ -199,20 +202,9 @@ def first_turn_prompts(data_conf, skip: int, count: int) -> list[dict]:
     """[{"id", "prompt"}]: the first user turn of the usable conversations number ``skip`` to ``skip + count - 1`` of
     the data (in file order, as ``collect_conversations`` numbers them): prompts for measuring a head on text a
     training run on the first conversations never saw."""
-    prompts = []
-    number = -1
-    for record in read_records(data_conf.source, data_conf.path, data_conf.split, data_conf.subset):
-        messages = normalize_conversation(record)
-        if messages is None:
-            continue
-        number += 1
-        if number < skip:
-            continue
-        if number >= skip + count:
-            break
-        if messages[0]["role"] == "user" and messages[0]["content"].strip():
-            prompts.append({"id": number, "prompt": messages[0]["content"]})
-    return prompts
+    chosen = itertools.islice(usable_conversations(data_conf), skip, skip + count)
+    return [{"id": number, "prompt": messages[0]["content"]} for number, messages in enumerate(chosen, start=skip)
+            if messages[0]["role"] == "user" and messages[0]["content"].strip()]
 
 
 def build_splits(data_conf, tokenizer):

@@ -85,28 +85,29 @@ def eagle_matches(head, batch: dict, depth: int) -> torch.Tensor:
 
 @torch.no_grad()
 def medusa_matches(heads, batch: dict, hidden: torch.Tensor) -> torch.Tensor:
-    """Medusa's heads on hidden [B, T, H] against the greedy branches -> matches [N, heads] over the rows that count.
+    """Medusa's heads on hidden [B, T, H] against the greedy branches -> matches [N, heads] over the rows that count
+    (the head's argmax is the branch's token: a rank of 0 in ``medusa_ranks``)."""
+    return medusa_ranks(heads, batch, hidden) == 0
+
+
+@torch.no_grad()
+def medusa_ranks(heads, batch: dict, hidden: torch.Tensor) -> torch.Tensor:
+    """Ranks [N, heads] of the greedy branches' tokens under each of Medusa's heads on hidden [B, T, H], over the
+    rows that count: 0 where the head's argmax is the token, else how many tokens come before it (higher logits,
+    or equal ones at lower ids, as argmax breaks ties).
 
     The runtime drafts from the hidden state of the token before the root (the root being the target's own next
     token), so a row counts where the *next* token is an assistant token, the rows training predicts from: head i
     at position t guesses the token after branch token i, t + 2 + i."""
     rows, cols = next_token_mask(batch["assistant_mask"]).nonzero(as_tuple=True)
     selected = hidden[rows, cols]
-    tops = [heads.head_logits(i, selected).argmax(-1) for i in range(heads.num_heads)]
-    return torch.stack([top == batch["branches"][rows, cols, i + 1] for i, top in enumerate(tops)], dim=-1)
-
-
-@torch.no_grad()
-def medusa_ranks(heads, batch: dict, hidden: torch.Tensor) -> torch.Tensor:
-    """Ranks [N, heads] of the greedy branch's tokens under each of Medusa's heads (0 = the head's top token), over
-    the rows ``medusa_matches`` scores (a match there is a rank of 0 here)."""
-    rows, cols = next_token_mask(batch["assistant_mask"]).nonzero(as_tuple=True)
-    selected = hidden[rows, cols]
     ranks = []
     for i in range(heads.num_heads):
         logits = heads.head_logits(i, selected)
-        truth = logits.gather(-1, batch["branches"][rows, cols, i + 1, None])
-        ranks.append((logits > truth).sum(-1))
+        token = batch["branches"][rows, cols, i + 1, None]
+        truth = logits.gather(-1, token)
+        earlier = torch.arange(logits.shape[-1], device=logits.device) < token
+        ranks.append(((logits > truth) | ((logits == truth) & earlier)).sum(-1))
     return torch.stack(ranks, dim=-1)
 
 
@@ -146,26 +147,26 @@ def evaluation_batches(split, eval_conf) -> list[list[dict]]:
             for start in range(0, len(rows), eval_conf.batch_size)]
 
 
-def held_out_acceptance(target, head, head_conf, data_conf, eval_conf, rank_paths: int = 0) -> dict:
+def held_out_acceptance(target, head, head_conf, data_conf, eval_conf, max_rank_paths: int = 0) -> dict:
     """``head``'s acceptance on the conversations a training run with ``data_conf`` holds out, scored as that run's
     evaluations score it (``eval_conf``): {"acc": acc@1..K, "tau", "val_loss", "positions", "conversations"}.
 
     ``head``: a head of ``head_conf``'s type on ``target`` (ours or one trained elsewhere, as
     ``heads.formats.load_any_head`` reads it), in the dtype to evaluate in; one process, no training engine.
-    ``rank_paths``: as ``samples_acceptance``'s."""
+    ``max_rank_paths``: as ``samples_acceptance``'s."""
     from training.data import build_splits
 
     if not data_conf.val_samples or eval_conf.max_samples < 1:
         raise ValueError(f"no held-out conversation to evaluate: data.val_samples={data_conf.val_samples}, "
                          f"eval.max_samples={eval_conf.max_samples}; give both at least 1")
     return samples_acceptance(target, head, head_conf, build_splits(data_conf, target.tokenizer)["validation"],
-                              eval_conf, rank_paths)
+                              eval_conf, max_rank_paths)
 
 
-def samples_acceptance(target, head, head_conf, samples, eval_conf, rank_paths: int = 0) -> dict:
+def samples_acceptance(target, head, head_conf, samples, eval_conf, max_rank_paths: int = 0) -> dict:
     """``head``'s acceptance on tokenized conversations ``samples`` (items {"input_ids", "assistant_mask"}; the
     first ``eval_conf.max_samples`` count), scored as a training run's evaluation scores its held-out split; the
-    result as ``held_out_acceptance``'s. For a Medusa head and ``rank_paths`` > 0 it adds the static tree measured
+    result as ``held_out_acceptance``'s. For a Medusa head and ``max_rank_paths`` > 0 it adds the static tree measured
     on the same positions: "rank_paths" and "rank_path_frequencies" (``measured_rank_paths``, that many at most),
     and "path_frequency", {path: frequency} of every path seen (``runtime.proposers.medusa.tree_tau`` scores any
     tree with it)."""
@@ -182,12 +183,12 @@ def samples_acceptance(target, head, head_conf, samples, eval_conf, rank_paths: 
     acc, tau = acceptance_rates(result["reached"])
     report = {"acc": acc, "tau": tau, "val_loss": result["val_loss"], "positions": int(result["reached"][0]),
               "conversations": sum(len(rows) for rows in batches)}
-    if rank_paths and head.head_type == "medusa":
+    if max_rank_paths and head.head_type == "medusa":
         from runtime.proposers.medusa import measured_rank_paths
 
         ranks = torch.cat([medusa_ranks(head, batch, batch["hidden"]) for batch in prepared])
         paths, frequencies = measured_rank_paths(ranks, max_paths=None)
-        report["rank_paths"], report["rank_path_frequencies"] = paths[:rank_paths], frequencies[:rank_paths]
+        report["rank_paths"], report["rank_path_frequencies"] = paths[:max_rank_paths], frequencies[:max_rank_paths]
         report["path_frequency"] = dict(zip(paths, frequencies))  # every path seen: scores any tree
     return report
 

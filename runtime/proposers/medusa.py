@@ -10,7 +10,11 @@ from runtime.proposers.base import ProposeInput
 from runtime.tree import Tree, closed_choices
 
 
-def calibrated_choices(head_accuracy: list[float], tree_size: int, top_k: int = 10,
+# Ranks of each head a static tree draws from: the most a tree, estimated or measured, may hold.
+TOP_K = 10
+
+
+def calibrated_choices(head_accuracy: list[float], tree_size: int, top_k: int = TOP_K,
                        rank_decay: float = 0.5) -> list[tuple[int, ...]]:
     """The ``tree_size - 1`` rank paths with the highest estimated acceptance probability.
 
@@ -36,7 +40,7 @@ def calibrated_choices(head_accuracy: list[float], tree_size: int, top_k: int = 
     return chosen
 
 
-def measured_rank_paths(ranks: torch.Tensor, top_k: int = 10,
+def measured_rank_paths(ranks: torch.Tensor, top_k: int = TOP_K,
                         max_paths: int | None = 255) -> tuple[list[tuple[int, ...]], list[float]]:
     """The static Medusa tree measured on text: ranks [N, D] long, ranks[n, d] the rank of the target's own token
     under head d at position n (0 = the head's top token) -> (paths, frequencies), at most ``max_paths`` of each.
@@ -98,7 +102,7 @@ class MedusaProposer:
     needs_hidden = True
 
     def __init__(self, heads, choices: list[tuple[int, ...]] | None = None, head_accuracy: list[float] | None = None,
-                 top_k: int = 10, tree_size: int | None = None, rank_paths: list[tuple[int, ...]] | None = None):
+                 top_k: int = TOP_K, tree_size: int | None = None, rank_paths: list[tuple[int, ...]] | None = None):
         self.heads = heads
         self.rank_paths = [tuple(path) for path in rank_paths] if rank_paths else None
         if self.rank_paths:
@@ -125,7 +129,7 @@ class MedusaProposer:
             return [self._trees([step])[0] for step in steps]
         return self._trees(steps)
 
-    def _choices(self, tree_size: int) -> list[tuple[int, ...]]:
+    def tree_choices(self, tree_size: int) -> list[tuple[int, ...]]:
         """The tree of ``tree_size`` nodes: the measured paths (all of them where they make fewer nodes), else the
         calibrated estimate."""
         if self.rank_paths:
@@ -138,7 +142,7 @@ class MedusaProposer:
         tree_size = steps[0].tree_size
         if tree_size <= 1:  # the decoder verifies the root alone (plain decoding): nothing to draft
             return [Tree.chain(int(step.history[-1]), [], device=step.history.device) for step in steps]
-        choices = self.choices or self._choices(tree_size)
+        choices = self.choices or self.tree_choices(tree_size)
         nodes = 1 + len(closed_choices(choices))
         if nodes > tree_size:
             raise ValueError(f"{len(choices)} Medusa choices need a tree of at least {nodes} nodes, got tree_size="
