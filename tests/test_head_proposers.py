@@ -134,7 +134,7 @@ def test_medusa_drafts_the_measured_tree_and_refuses_paths_that_are_not_one():
             MedusaProposer(medusa_heads(target), rank_paths=bad)
 
 
-@pytest.mark.parametrize("name", ["eagle", "eagle3-draft-vocab", "medusa", "eagle+ngram"])
+@pytest.mark.parametrize("name", ["eagle", "eagle3-draft-vocab", "medusa", "medusa-measured-tree", "eagle+ngram"])
 def test_head_proposers_preserve_the_sampling_distribution(name):
     from tests import test_sampling_distribution as sampling
 
@@ -162,6 +162,7 @@ def head_proposers_small(target):
     return {"eagle": EagleProposer(eagle, target, depth=3, top_k=2),
             "eagle3-draft-vocab": EagleProposer(eagle3.eval(), target, depth=3, top_k=2),
             "medusa": MedusaProposer(medusa, top_k=3),
+            "medusa-measured-tree": MedusaProposer(medusa, top_k=3, rank_paths=[(1,), (0,), (1, 2), (2,), (0, 0)]),
             "eagle+ngram": LookupFirstProposer(EagleProposer(eagle, target, depth=3, top_k=2),
                                                NgramProposer(max_ngram=2, min_ngram=1))}
 
