@@ -6,7 +6,9 @@
 The head may be ours or one trained elsewhere, in any layout ``heads.formats.load_any_head`` reads (ours, the
 EAGLE-1/3 reference layouts, vLLM's, Medusa's). The numbers are what a training run's evaluation reports: acc@1..K
 of a greedy drafting chain (Medusa: of its heads) and its expected length tau
-(``training.evaluate.samples_acceptance``), on one of:
+(``training.evaluate.samples_acceptance``), with ``decoding_tau``, the tokens per pass greedy decoding gets
+drafting that chain where the previous pass left off (``training.metrics.decoding_tau``; tau averages over every
+position and overstates it, since decoding skips the positions its accepted drafts covered), on one of:
 
 - ``--data FILE``: the held-out conversations that ``training/train.py data=selfdistill data.path=FILE`` holds out
   for the same data settings (pass the run's ``--max-samples``, ``--val-samples``, ``--max-length`` and
@@ -17,7 +19,8 @@ of a greedy drafting chain (Medusa: of its heads) and its expected length tau
   benchmark is from the training data for this head.
 
 For a Medusa head the report also holds the static tree measured on the same positions (``tree``: the most frequent
-rank paths, ``runtime.proposers.medusa.measured_rank_paths``) and the tau each tree size gets there; a head ships
+rank paths, ``runtime.proposers.medusa.measured_rank_paths``) and the tau each tree size gets there, over every
+position and as decoding gets it (``decoding_tau_by_size``: what the benchmark measures on that text); a head ships
 with it (``scripts/ship_head.py --rank-paths REPORT``). Measure it on text the benchmark does not use.
 """
 
@@ -108,28 +111,46 @@ def evaluate_head(head_dir: Path, target_name: str, eval_samples: int, eval_batc
         result = held_out_acceptance(target, head, head_conf, data_conf, eval_conf, max_rank_paths)
         report["scored_on"] = f"the held-out split of {data}"
     report.update(conversations=result["conversations"], positions=result["positions"], acc=result["acc"],
-                  tau=result["tau"])
+                  tau=result["tau"], decoding_tau=result["decoding_tau"])
     if "rank_paths" in result:
         frequencies = result["rank_path_frequencies"]
         sizes = [size for size in TREE_SIZES if size <= len(frequencies) + 1]
+        measured = {size: result["rank_paths"][: size - 1] for size in sizes}
         report["tree"] = {"tau_by_size": {str(size): 1 + sum(frequencies[: size - 1]) for size in sizes},
-                          **head_tree_taus(head, saved.get("tree", {}), result["path_frequency"], sizes),
+                          "decoding_tau_by_size": decoding_taus(measured, result),
+                          **head_tree_taus(head, saved.get("tree", {}), result, sizes),
                           "rank_paths": [list(path) for path in result["rank_paths"]],
                           "rank_path_frequencies": frequencies}
     return report
 
 
-def head_tree_taus(head, tree: dict, frequency: dict, sizes: list[int]) -> dict:
+def decoding_taus(trees: dict[int, list[tuple[int, ...]]], result: dict) -> dict:
+    """Tokens per pass greedy decoding gets drafting, at every pass, the tree of each size's choices in ``trees``, on
+    the positions and replies of ``result`` (``samples_acceptance``'s): what a benchmark on that text would get."""
+    from runtime.proposers.medusa import tree_accepted
+    from training.metrics import decoding_tau
+
+    return {str(size): decoding_tau(tree_accepted(choices, result["ranks"]), result["run_lengths"])
+            for size, choices in trees.items()}
+
+
+def head_tree_taus(head, tree: dict, result: dict, sizes: list[int]) -> dict:
     """Tau by size, on the scored text, of the trees the head's config makes the runtime draft: its measured rank
-    paths where it has them, and the estimate from its acceptance (what a head without them drafts)."""
+    paths where it has them, and the estimate from its acceptance (what a head without them drafts); averaged over
+    every position (``tau_by_size_*``) and as decoding gets it (``decoding_tau_by_size_*``)."""
     from runtime.proposers.medusa import MedusaProposer, tree_tau
 
     accuracy = tree.get("acceptance")
     proposers = {"estimated": MedusaProposer(head, head_accuracy=accuracy[: head.num_heads] if accuracy else None)}
     if tree.get("rank_paths"):
         proposers["head"] = MedusaProposer(head, rank_paths=tree["rank_paths"])
-    return {f"tau_by_size_{name}_tree": {str(size): tree_tau(proposer.tree_choices(size), frequency) for size in sizes}
-            for name, proposer in proposers.items()}
+    taus = {}
+    for name, proposer in proposers.items():
+        trees = {size: proposer.tree_choices(size) for size in sizes}
+        taus[f"tau_by_size_{name}_tree"] = {str(size): tree_tau(choices, result["path_frequency"])
+                                            for size, choices in trees.items()}
+        taus[f"decoding_tau_by_size_{name}_tree"] = decoding_taus(trees, result)
+    return taus
 
 
 def main(argv=None) -> int:
@@ -197,7 +218,7 @@ def main(argv=None) -> int:
         report["prompts"] = args.prompts
     shown = dict(report)
     if "tree" in report:  # hundreds of paths: the file keeps them
-        shown["tree"] = {**{key: value for key, value in report["tree"].items() if key.startswith("tau_by_size")},
+        shown["tree"] = {**{key: value for key, value in report["tree"].items() if "tau_by_size" in key},
                          "rank_paths": f"{len(report['tree']['rank_paths'])} paths" + (" in --out" if args.out else "")}
     print(json.dumps(shown, indent=2))
     if args.out:

@@ -11,7 +11,8 @@ from runtime.attention import ATTN_IMPLEMENTATION
 from runtime.decoder import SpeculativeDecoder
 from runtime.proposers.eagle import EagleProposer
 from runtime.proposers.lookup_first import LookupFirstProposer
-from runtime.proposers.medusa import MedusaProposer, calibrated_choices, measured_rank_paths, tree_tau
+from runtime.proposers.medusa import (MedusaProposer, calibrated_choices, measured_rank_paths, tree_accepted,
+                                      tree_tau)
 from runtime.proposers.ngram import NgramProposer
 from runtime.sampling import SamplingParams
 from runtime.target import target_from_model
@@ -118,6 +119,8 @@ def test_measured_rank_paths_are_the_best_tree_of_every_size():
         tree = {tuple(c[:i]) for c in choices for i in range(1, len(c) + 1)}
         accepted = sum(max((d for d in range(1, 4) if tuple(row[:d]) in tree), default=0) for row in ranks.tolist())
         assert tree_tau(choices, frequency) == pytest.approx(1 + accepted / 8)
+        assert tree_accepted(choices, ranks).sum().item() == accepted
+    assert tree_accepted([(0, 0), (1,)], ranks).tolist() == [2, 2, 1, 1, 1, 0, 0, 1]
 
 
 def test_medusa_drafts_the_measured_tree_and_refuses_paths_that_are_not_one():

@@ -14,8 +14,8 @@ from heads.eagle3 import Eagle3Config, Eagle3Head
 from training.draft_vocab import build_draft_vocab, count_tokens, draft_to_target_ids, target_to_draft_ids
 from training.losses import (decay_weights, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
                              sparse_soft_cross_entropy)
-from training.masks import ChainCache, chain_attention_mask, next_token_mask, shift_left
-from training.metrics import acceptance_counts, acceptance_rates
+from training.masks import ChainCache, chain_attention_mask, next_token_mask, run_lengths, shift_left
+from training.metrics import acceptance_counts, acceptance_rates, decoding_tau
 
 
 def test_chain_mask_by_hand():
@@ -89,6 +89,29 @@ def test_acceptance_metrics_by_hand():
     acc, tau = acceptance_rates(reached)
     assert acc == pytest.approx([3 / 4, 2 / 3, 1 / 2])
     assert tau == pytest.approx(1 + 6 / 4)
+
+
+def test_decoding_tau_walks_each_reply_from_its_start():
+    """Decoding drafts where the previous pass left off: at position 0 two drafts are accepted, so it emits 3 tokens
+    and drafts next at 3 (positions 1 and 2 are skipped), where it accepts 2 again and ends the reply: 5 tokens in 2
+    passes, where the average over every position gives 1 + 5 / 5. A reply boundary restarts the walk."""
+    accepted = torch.tensor([2, 0, 1, 2, 0])
+    assert decoding_tau(accepted, [5]) == pytest.approx(5 / 2)
+    assert acceptance_rates(torch.tensor([5, 3, 2]))[1] == pytest.approx(2.0)  # the same positions, every one
+    assert decoding_tau(accepted, [2, 3]) == pytest.approx(5 / 3)  # (0) | (2), then (4)
+    assert decoding_tau(torch.zeros(4, dtype=torch.long), [1, 3]) == 1.0  # nothing accepted: a token a pass
+    with pytest.raises(ValueError, match="sum"):
+        decoding_tau(accepted, [4])
+
+
+def test_run_lengths_are_the_runs_nonzero_lists_in_order():
+    mask = torch.tensor([[0, 1, 1, 0, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0], [1, 0, 1, 0, 0]], dtype=torch.bool)
+    assert run_lengths(mask) == [2, 1, 5, 1, 1]
+    rows, cols = mask.nonzero(as_tuple=True)
+    starts = torch.tensor([0, 2, 3, 8, 9])  # each run's first entry in nonzero's order: one row, consecutive columns
+    for start, length in zip(starts.tolist(), run_lengths(mask)):
+        assert len(set(rows[start:start + length].tolist())) == 1
+        assert cols[start:start + length].tolist() == list(range(int(cols[start]), int(cols[start]) + length))
 
 
 def tiny_llama(layers=4, vocab=48, seed=0):

@@ -69,14 +69,17 @@ def test_short_run_lowers_loss_and_raises_acceptance(tiny, tmp_path, head):
     assert int(first[0]) == 0 and int(last[0]) == 24
     assert float(last[2]) < float(first[2]), "held-out loss did not fall"
     assert float(last[3]) > float(first[3]), "acc@1 did not rise over the untrained head"
-    assert curves[0].endswith(",tokens") and int(first[-1]) == 0
-    assert int(last[-1]) == summary["final_eval"]["tokens"] > 24 * 4  # every step's samples, padding excluded
+    assert curves[0].endswith(",tokens,decoding_tau") and int(first[-2]) == 0
+    assert int(last[-2]) == summary["final_eval"]["tokens"] > 24 * 4  # every step's samples, padding excluded
+    assert float(last[-1]) == pytest.approx(summary["final_eval"]["decoding_tau"], abs=1e-4)
+    assert 1 <= summary["final_eval"]["decoding_tau"] <= 1 + len(summary["final_eval"]["acc"])
     if head == "eagle":  # the learning curve reads curves.csv back
         from training.tracking import plot_learning_curves, read_curves
 
         read = read_curves(tmp_path / "run" / "curves.csv")
         assert read[-1]["tokens"] == summary["final_eval"]["tokens"]
         assert read[-1]["acc"] == pytest.approx(summary["final_eval"]["acc"], abs=1e-4)
+        assert read[-1]["decoding_tau"] == pytest.approx(summary["final_eval"]["decoding_tau"], abs=1e-4)
         with pytest.raises(ValueError, match="log axis"):
             plot_learning_curves({"run": (read, 0)}, tmp_path / "curve.png")  # step 0 has trained on nothing
         assert plot_learning_curves({"run": (read, 1000)}, tmp_path / "curve.png").stat().st_size > 0
@@ -132,6 +135,9 @@ def check_eval_head_script(tiny, run_dir: Path, final_eval: dict, head_type: str
         assert sorted(tree["rank_path_frequencies"], reverse=True) == tree["rank_path_frequencies"]
         best, estimated = tree["tau_by_size"], tree["tau_by_size_estimated_tree"]  # no tree beats the measured one
         assert estimated.keys() == best.keys() and all(estimated[n] <= best[n] + 1e-9 for n in best)
+        for key in ("decoding_tau_by_size", "decoding_tau_by_size_estimated_tree"):  # as decoding gets them
+            assert tree[key].keys() == best.keys() and all(1 <= tau <= 1 + steps for tau in tree[key].values())
+    assert 1 <= report["decoding_tau"] <= 1 + steps
     assert 0 < report["reply_tokens"] <= 3 * 24 and report["positions"] >= report["reply_tokens"] - 3
     reached = [report["positions"]]
     for rate in report["acc"]:
@@ -415,7 +421,7 @@ def test_existing_run_needs_resume(tiny, tmp_path):
 
 
 def curves(run_dir: Path) -> list[list[float]]:
-    """curves.csv as numbers: one row per evaluation (step, tau, val_loss, acc@1..K, tokens)."""
+    """curves.csv as numbers: one row per evaluation (step, tau, val_loss, acc@1..K, tokens, decoding_tau)."""
     return [[float(x) for x in line.split(",")] for line in (run_dir / "curves.csv").read_text().splitlines()[1:]]
 
 
@@ -547,7 +553,7 @@ def test_init_from_continues_a_trained_head(tiny, tmp_path):
                                                                "eval.at_start=true"])
     start = json.loads((tmp_path / "again" / "summary.json").read_text())
     assert first["final_eval"]["acc"] == pytest.approx(
-        [float(x) for x in (tmp_path / "again" / "curves.csv").read_text().splitlines()[1].split(",")[3:-1]],
+        [float(x) for x in (tmp_path / "again" / "curves.csv").read_text().splitlines()[1].split(",")[3:-2]],
         abs=1e-4), "the continued run did not start from the saved head"
     assert start["steps"] == 1 and again["final_eval"]["step"] == 1
     with pytest.raises(ValueError, match="init_from=.* holds a eagle3 head"):

@@ -17,8 +17,8 @@ import contextlib
 import torch
 
 from training.features import target_features
-from training.masks import ChainCache, chain_attention_mask, next_token_mask
-from training.metrics import acceptance_counts
+from training.masks import ChainCache, chain_attention_mask, next_token_mask, run_lengths
+from training.metrics import acceptance_counts, decoding_passes
 
 
 @torch.no_grad()
@@ -116,6 +116,8 @@ def evaluate_acceptance(objective, prepared_batches: list[dict], depth: int, ran
                         all_reduce=lambda tensor: tensor) -> dict:
     """Acceptance over this rank's share of the held-out batches, summed over ranks. ``objective`` is the
     engine's module (training/objectives.py): each batch is one call of its forward in evaluation mode.
+    {"reached": counts for ``acceptance_rates``, "val_loss", "decoding_tau": the chain's tokens per pass as greedy
+    decoding gets it (``training.metrics.decoding_passes``)}.
 
     Every rank makes the same number of calls (ZeRO-3 gathers parameters inside them): ranks with fewer batches
     repeat one and do not count it.
@@ -126,17 +128,23 @@ def evaluate_acceptance(objective, prepared_batches: list[dict], depth: int, ran
     device = prepared_batches[0]["input_ids"].device
     reached = torch.zeros(depth + 1, dtype=torch.float64, device=device)
     loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of losses, batches)
+    walk = torch.zeros(2, dtype=torch.float64, device=device)  # decoding's (tokens, passes)
     for slot in range(per_rank):
         index = rank + slot * world
         counted = index < len(prepared_batches)
         batch = prepared_batches[index if counted else 0]
         loss, matches = objective(batch, depth=depth)
         if counted:
-            reached += acceptance_counts(matches)[0].double()
+            counts, accepted = acceptance_counts(matches)
+            reached += counts.double()
             loss_sum += torch.tensor([float(loss), 1.0], dtype=torch.float64, device=device)
-    totals = all_reduce(torch.cat((reached, loss_sum)))
+            lengths = run_lengths(next_token_mask(batch["assistant_mask"]))  # the rows matches counts, in order
+            walk += torch.tensor([sum(lengths), decoding_passes(accepted, lengths)], dtype=torch.float64,
+                                 device=device)
+    totals = all_reduce(torch.cat((reached, loss_sum, walk)))
     objective.train(was_training)
-    return {"reached": totals[: depth + 1].cpu(), "val_loss": float(totals[-2] / totals[-1].clamp_min(1))}
+    return {"reached": totals[: depth + 1].cpu(), "val_loss": float(totals[-4] / totals[-3].clamp_min(1)),
+            "decoding_tau": float(totals[-2] / totals[-1].clamp_min(1))}
 
 
 def evaluation_batches(split, eval_conf) -> list[list[dict]]:
@@ -168,8 +176,12 @@ def samples_acceptance(target, head, head_conf, samples, eval_conf, max_rank_pat
     first ``eval_conf.max_samples`` count), scored as a training run's evaluation scores its held-out split; the
     result as ``held_out_acceptance``'s. For a Medusa head and ``max_rank_paths`` > 0 it adds the static tree measured
     on the same positions: "rank_paths" and "rank_path_frequencies" (``measured_rank_paths``, that many at most),
-    and "path_frequency", {path: frequency} of every path seen (``runtime.proposers.medusa.tree_tau`` scores any
-    tree with it)."""
+    "path_frequency", {path: frequency} of every path seen (``runtime.proposers.medusa.tree_tau`` scores any tree
+    with it), and "ranks" [N, heads] with "run_lengths" (``decoding_tau`` of ``tree_accepted`` scores any tree as
+    decoding gets it).
+
+    "decoding_tau" is the chain's tokens per pass as greedy decoding gets it, drafting only where the previous pass
+    left off (``training.metrics.decoding_tau``); "tau" averages over every position and overstates it."""
     from training.data import collate, pad_token_id
     from training.metrics import acceptance_rates
     from training.objectives import HeadObjective
@@ -181,7 +193,8 @@ def samples_acceptance(target, head, head_conf, samples, eval_conf, max_rank_pat
     objective = HeadObjective(head, head_conf, target.lm_head.weight, target.softcap, pad_id=pad_id)
     result = evaluate_acceptance(objective, prepared, eval_depth(head_conf, eval_conf), 0, 1)
     acc, tau = acceptance_rates(result["reached"])
-    report = {"acc": acc, "tau": tau, "val_loss": result["val_loss"], "positions": int(result["reached"][0]),
+    report = {"acc": acc, "tau": tau, "decoding_tau": result["decoding_tau"], "val_loss": result["val_loss"],
+              "positions": int(result["reached"][0]),
               "conversations": sum(len(rows) for rows in batches)}
     if max_rank_paths and head.head_type == "medusa":
         from runtime.proposers.medusa import measured_rank_paths
@@ -190,6 +203,9 @@ def samples_acceptance(target, head, head_conf, samples, eval_conf, max_rank_pat
         paths, frequencies = measured_rank_paths(ranks, max_paths=None)
         report["rank_paths"], report["rank_path_frequencies"] = paths[:max_rank_paths], frequencies[:max_rank_paths]
         report["path_frequency"] = dict(zip(paths, frequencies))  # every path seen: scores any tree
+        report["ranks"] = ranks.cpu()
+        report["run_lengths"] = [length for batch in prepared
+                                 for length in run_lengths(next_token_mask(batch["assistant_mask"]))]
     return report
 
 

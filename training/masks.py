@@ -35,6 +35,16 @@ def next_token_mask(assistant_mask: torch.Tensor) -> torch.Tensor:
     return shift_left(assistant_mask.bool(), 1, False)
 
 
+def run_lengths(mask: torch.Tensor) -> list[int]:
+    """Lengths of the runs of consecutive True columns of mask [B, T], row by row: the order in which
+    ``mask.nonzero()`` lists their positions (an assistant reply's positions make one run)."""
+    padded = torch.nn.functional.pad(mask.bool(), (1, 1)).int()  # a False column either side of each row
+    edges = padded.diff(dim=1)  # [B, T + 1]: +1 where a run starts, -1 just past where it ends
+    starts = (edges == 1).nonzero(as_tuple=True)[1]
+    ends = (edges == -1).nonzero(as_tuple=True)[1]
+    return (ends - starts).tolist()
+
+
 class ChainCache:
     """Keys/values of every draft step, concatenated along the sequence (keeps autograd through earlier steps).
 

@@ -274,10 +274,10 @@ class TrainRecipe:
                                      ds.all_reduce_sum)
         acc, tau = acceptance_rates(result["reached"])
         self.history.append({"step": self.step, "tokens": self.tokens, "tau": tau, "val_loss": result["val_loss"],
-                             "acc": acc})
+                             "acc": acc, "decoding_tau": result["decoding_tau"]})
         if dist.is_main:
             self.tracker.log_evaluation(self.history, self.step)
-            tqdm.write(f"[eval step {self.step}] tau {tau:.3f}  "
+            tqdm.write(f"[eval step {self.step}] tau {tau:.3f} (decoding {result['decoding_tau']:.3f})  "
                        + "  ".join(f"acc@{k} {a:.3f}" for k, a in enumerate(acc, 1)))
 
     def prepare_validation(self) -> list[dict | None]:

@@ -1,8 +1,9 @@
 """Experiment tracking: W&B (offline by default, files in the run directory) plus curves.csv and curves.png.
 
 Only the main process tracks. The acceptance history is the list of evaluations, each
-{"step", "tokens" (trained on so far), "tau", "val_loss", "acc": [acc@1..K]}; it travels in the checkpoint so a
-resumed run keeps its curves.
+{"step", "tokens" (trained on so far), "tau", "val_loss", "acc": [acc@1..K], "decoding_tau"} ("decoding_tau": the
+chain's tokens per pass as greedy decoding gets it, ``training.metrics.decoding_tau``; absent from histories written
+before it was measured); it travels in the checkpoint so a resumed run keeps its curves.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ def write_curves(history: list[dict], run_dir: Path) -> tuple[Path, Path]:
     partial = csv_path.with_name(csv_path.name + ".partial")
     with open(partial, "w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["step", "tau", "val_loss"] + [f"acc@{k}" for k in range(1, depth + 1)] + ["tokens"])
+        writer.writerow(["step", "tau", "val_loss"] + [f"acc@{k}" for k in range(1, depth + 1)]
+                        + ["tokens", "decoding_tau"])
         for entry in history:
             acc = [f"{value:.4f}" for value in entry["acc"]] + [""] * (depth - len(entry["acc"]))
+            decoding = f"{entry['decoding_tau']:.4f}" if "decoding_tau" in entry else ""
             writer.writerow([entry["step"], f"{entry['tau']:.4f}", f"{entry['val_loss']:.5f}"] + acc
-                            + [entry.get("tokens", "")])
+                            + [entry.get("tokens", ""), decoding])
     os.replace(partial, csv_path)
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -39,7 +42,12 @@ def write_curves(history: list[dict], run_dir: Path) -> tuple[Path, Path]:
     left.set(xlabel="draft step k", ylabel="acc@k (given the accepted prefix)", ylim=(0, 1),
              title="acceptance per draft step")
     left.legend(fontsize=7, loc="upper right")
-    right.plot([e["step"] for e in history], [e["tau"] for e in history], marker="o")
+    right.plot([e["step"] for e in history], [e["tau"] for e in history], marker="o", label="every position")
+    decoded = [e for e in history if "decoding_tau" in e]
+    if decoded:
+        right.plot([e["step"] for e in decoded], [e["decoding_tau"] for e in decoded], marker="s", linestyle="--",
+                   label="as decoding gets it")
+        right.legend(fontsize=7)
     right.set(xlabel="training step", ylabel="expected accepted length tau", title="tau (greedy chain)")
     figure.tight_layout()
     partial_png = png_path.with_name("curves.partial.png")
@@ -89,6 +97,8 @@ class Tracker:
         metrics = {f"eval/acc@{k}": value for k, value in enumerate(latest["acc"], 1)}
         metrics.update({"eval/tau": latest["tau"], "eval/val_loss": latest["val_loss"],
                         "eval/acceptance_curve": wandb.Image(str(png_path))})
+        if "decoding_tau" in latest:
+            metrics["eval/decoding_tau"] = latest["decoding_tau"]
         table = wandb.Table(columns=["draft_step", "acc"], data=[[k, v] for k, v in enumerate(latest["acc"], 1)])
         metrics["eval/acceptance_table"] = wandb.plot.line(table, "draft_step", "acc",
                                                            title=f"acceptance per draft step (step {step})")
@@ -111,6 +121,8 @@ def read_curves(path: Path) -> list[dict]:
         acc = [float(row[key]) for key in row if key.startswith("acc@") and row[key]]
         entries.append({"step": int(row["step"]), "tokens": int(row["tokens"]), "tau": float(row["tau"]),
                         "val_loss": float(row["val_loss"]), "acc": acc})
+        if row.get("decoding_tau"):
+            entries[-1]["decoding_tau"] = float(row["decoding_tau"])
     return entries
 
 

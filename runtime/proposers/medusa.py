@@ -74,6 +74,19 @@ def tree_tau(choices: list[tuple[int, ...]], frequency: dict[tuple[int, ...], fl
     return 1.0 + sum(frequency.get(path, 0.0) for path in closed_choices(choices))
 
 
+def tree_accepted(choices: list[tuple[int, ...]], ranks: torch.Tensor) -> torch.Tensor:
+    """Drafts a static tree of ``choices`` (prefixes added) gets accepted at each position: ranks [N, D] as
+    ``measured_rank_paths`` takes them -> [N] long, how many of the tree's nodes are prefixes of the position's
+    ranks. Its mean plus one is ``tree_tau``; ``training.metrics.decoding_tau`` of it is what decoding gets."""
+    nodes = closed_choices(choices)
+    accepted = torch.zeros(ranks.shape[0], dtype=torch.long)
+    inside = torch.ones(ranks.shape[0], dtype=torch.bool)
+    for length in range(1, ranks.shape[1] + 1):
+        inside &= torch.tensor([tuple(prefix) in nodes for prefix in ranks[:, :length].tolist()], dtype=torch.bool)
+        accepted += inside
+    return accepted
+
+
 def check_rank_paths(paths: list[tuple[int, ...]], num_heads: int, top_k: int) -> None:
     """A ValueError unless ``paths`` is a measured tree for ``num_heads`` heads: each path of 1..num_heads ranks
     below ``top_k``, after its own prefix, none twice (any first T - 1 of them then make a tree)."""
