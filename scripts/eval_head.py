@@ -42,7 +42,7 @@ TREE_SIZES = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # chosen is an error rather than silently ignored.
 SOURCE_OPTIONS = {
     "--data": {"max_samples": None, "val_samples": 32, "data_seed": 0, "eval_samples": 16},
-    "--prompts": {"limit": None, "max_new_tokens": 256, "reply_batch": 16},
+    "--prompts": {"limit": None, "stride": 1, "max_new_tokens": 256, "reply_batch": 16},
 }
 
 
@@ -169,7 +169,8 @@ def main(argv=None) -> int:
                         help="tokens of a conversation scored (--data: the run's data.max_length)")
     parser.add_argument("--data-seed", type=int, help="--data: the run's data.seed (0)")
     parser.add_argument("--eval-samples", type=positive_int, help="--data: held-out conversations scored (16)")
-    parser.add_argument("--limit", type=positive_int, help="--prompts: score the first N prompts")
+    parser.add_argument("--limit", type=positive_int, help="--prompts: score the first N prompts (after --stride)")
+    parser.add_argument("--stride", type=positive_int, help="--prompts: every Nth prompt, as benchmark.py's --stride")
     parser.add_argument("--max-new-tokens", type=positive_int, help="--prompts: reply length (256)")
     parser.add_argument("--reply-batch", type=positive_int, help="--prompts: rows decoded at once (16)")
     parser.add_argument("--eval-batch", type=positive_int, default=4)
@@ -200,8 +201,8 @@ def main(argv=None) -> int:
         from runtime.prompts import read_prompts
 
         try:
-            prompts = [p["prompt"] for p in read_prompts(None if args.prompts == "mtbench" else args.prompts,
-                                                         limit=args.limit)]
+            chosen = read_prompts(None if args.prompts == "mtbench" else args.prompts)[:: args.stride][: args.limit]
+            prompts = [p["prompt"] for p in chosen]
         except (OSError, ValueError) as error:
             parser.error(f"--prompts {args.prompts}: {error}")
     from runtime.target import DEFAULT_TARGET

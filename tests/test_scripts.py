@@ -219,7 +219,9 @@ def test_eval_head_script_names_a_wrong_head_or_flag_before_loading_anything(tmp
              (["--head", "heads/shipped/smollm2-135m-medusa", "--prompts", "--eval-samples", "3"],
               "--eval-samples applies to --data only"),
              (["--head", "heads/shipped/smollm2-135m-medusa", "--data", tmp_path / "none.jsonl", "--limit", "3"],
-              "--limit applies to --prompts only")]
+              "--limit applies to --prompts only"),
+             (["--head", "heads/shipped/smollm2-135m-medusa", "--data", tmp_path / "none.jsonl", "--stride", "2"],
+              "--stride applies to --prompts only")]
     for args, message in cases:
         result = run_script("eval_head.py", *args, check=False)
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
