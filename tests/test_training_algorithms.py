@@ -15,7 +15,7 @@ from training.draft_vocab import build_draft_vocab, count_tokens, draft_to_targe
 from training.losses import (decay_weights, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
                              sparse_soft_cross_entropy)
 from training.masks import ChainCache, chain_attention_mask, next_token_mask, run_lengths, shift_left
-from training.metrics import acceptance_counts, acceptance_rates, decoding_tau
+from training.metrics import acceptance_counts, acceptance_rates, decoding_tau, decoding_walk
 
 
 def test_chain_mask_by_hand():
@@ -92,14 +92,17 @@ def test_acceptance_metrics_by_hand():
 
 
 def test_decoding_tau_walks_each_reply_from_its_start():
-    """Decoding drafts where the previous pass left off: at position 0 two drafts are accepted, so it emits 3 tokens
-    and drafts next at 3 (positions 1 and 2 are skipped), where it accepts 2 again and ends the reply: 5 tokens in 2
-    passes, where the average over every position gives 1 + 5 / 5. A reply boundary restarts the walk."""
+    """Position n predicts reply token n; the prefill emits token 0. The first pass drafts at position 0, where two
+    drafts are accepted: it emits tokens 1-3 and drafts next at 3 (positions 1 and 2 are skipped), where it emits
+    token 4, the reply's last (its end of turn), and decoding stops: 4 tokens in 2 passes, where the average over
+    every position gives 1 + 5 / 5. A reply boundary restarts the walk."""
     accepted = torch.tensor([2, 0, 1, 2, 0])
-    assert decoding_tau(accepted, [5]) == pytest.approx(5 / 2)
+    assert decoding_walk(accepted, [5]) == (4, 2) and decoding_tau(accepted, [5]) == pytest.approx(2.0)
     assert acceptance_rates(torch.tensor([5, 3, 2]))[1] == pytest.approx(2.0)  # the same positions, every one
-    assert decoding_tau(accepted, [2, 3]) == pytest.approx(5 / 3)  # (0) | (2), then (4)
-    assert decoding_tau(torch.zeros(4, dtype=torch.long), [1, 3]) == 1.0  # nothing accepted: a token a pass
+    assert decoding_walk(accepted, [2, 3]) == (3, 2)  # (0) | (0) -> 2, the end
+    assert decoding_walk(torch.tensor([3, 0, 0]), [3]) == (2, 1)  # drafts past the end of turn emit nothing
+    assert decoding_walk(torch.zeros(4, dtype=torch.long), [1, 3]) == (2, 2)  # a one-token reply: the prefill's
+    assert decoding_tau(torch.zeros(1, dtype=torch.long), [1]) == 1.0  # no pass at all: as plain decoding
     with pytest.raises(ValueError, match="sum"):
         decoding_tau(accepted, [4])
 

@@ -105,7 +105,36 @@ def check_held_out_acceptance(tiny, run_dir: Path, final_eval: dict, head_type: 
     result = held_out_acceptance(target, head.float().eval(), conf.head, conf.data, conf.eval)
     assert result["acc"] == pytest.approx(final_eval["acc"], abs=1e-5)
     assert result["tau"] == pytest.approx(final_eval["tau"], abs=1e-5) and result["conversations"] == 8
+    if head_type == "medusa":
+        check_decoding_tau_is_the_runtimes(target, head.float().eval(), conf)
     check_eval_head_script(tiny, run_dir, final_eval, head_type)
+
+
+def check_decoding_tau_is_the_runtimes(target, head, conf) -> None:
+    """The walk over teacher-forced ranks (``decoding_tau`` of ``tree_accepted``) gets the very tau the runtime gets
+    decoding the same replies greedily with the same static tree: tokens, passes and where each pass drafts."""
+    from runtime.decoder import SpeculativeDecoder
+    from runtime.proposers.medusa import MedusaProposer, closed_choices, tree_accepted
+    from training.data import build_splits
+    from training.evaluate import samples_acceptance
+    from training.metrics import decoding_walk
+
+    choices = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+    decoder = SpeculativeDecoder(target, MedusaProposer(head, choices=choices), tree_size=1 + len(choices))
+    samples, tokens, passes = [], 0, 0
+    for conversation in build_splits(conf.data, target.tokenizer)["validation"].select(range(4)):
+        mask = conversation["assistant_mask"]
+        prompt = conversation["input_ids"][: mask.index(1)]
+        result = decoder.generate(prompt, 40)
+        tokens, passes = tokens + sum(result.accept_lengths), passes + len(result.accept_lengths)
+        samples.append({"input_ids": prompt + result.tokens, "assistant_mask": [0] * len(prompt) + [1] * len(
+            result.tokens)})
+    scored = samples_acceptance(target, head, conf.head, samples, dataclasses.replace(conf.eval, max_samples=4),
+                                max_rank_paths=1)
+    assert scored["positions"] == sum(len(s["input_ids"]) - s["assistant_mask"].index(1) for s in samples)
+    accepted = tree_accepted(closed_choices(choices), scored["ranks"])
+    assert accepted.max() >= 2, "the head should get drafts accepted for this check to mean anything"
+    assert decoding_walk(accepted, scored["run_lengths"]) == (tokens, passes)
 
 
 def check_eval_head_script(tiny, run_dir: Path, final_eval: dict, head_type: str) -> None:
@@ -557,6 +586,14 @@ def test_init_from_continues_a_trained_head(tiny, tmp_path):
         [float(x) for x in (tmp_path / "again" / "curves.csv").read_text().splitlines()[1].split(",")[3:-2]],
         abs=1e-4), "the continued run did not start from the saved head"
     assert start["steps"] == 1 and again["final_eval"]["step"] == 1
+    # shipped, the continued head says how its start was made, though that start is a run's head/, not a shipped one
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "ship_head.py"), str(tmp_path / "again"), "tiny-eagle3",
+                    "--into", str(tmp_path / "shipped")], check=True, env=_env(), cwd=ROOT)
+    training = json.loads((tmp_path / "shipped" / "tiny-eagle3" / "config.json").read_text())["training"]
+    assert training["final_eval"] == again["final_eval"]
+    assert training["continued_from"]["final_eval"] == first["final_eval"]
+    assert training["continued_from"]["tokens_per_s_median"] == first["tokens_per_s_median"]
+    assert "continued_from" not in training["continued_from"]  # the first run started from scratch
     with pytest.raises(ValueError, match="init_from=.* holds a eagle3 head"):
         run_config(tiny, tmp_path / "wrong", "eagle", 1, [f"init_from={tmp_path / 'first' / 'head'}"])
 

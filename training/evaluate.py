@@ -18,7 +18,7 @@ import torch
 
 from training.features import target_features
 from training.masks import ChainCache, chain_attention_mask, next_token_mask, run_lengths
-from training.metrics import acceptance_counts, decoding_passes
+from training.metrics import acceptance_counts, decoding_walk
 
 
 @torch.no_grad()
@@ -117,7 +117,7 @@ def evaluate_acceptance(objective, prepared_batches: list[dict], depth: int, ran
     """Acceptance over this rank's share of the held-out batches, summed over ranks. ``objective`` is the
     engine's module (training/objectives.py): each batch is one call of its forward in evaluation mode.
     {"reached": counts for ``acceptance_rates``, "val_loss", "decoding_tau": the chain's tokens per pass as greedy
-    decoding gets it (``training.metrics.decoding_passes``)}.
+    decoding gets it (``training.metrics.decoding_walk``; 1.0 where no pass is taken)}.
 
     Every rank makes the same number of calls (ZeRO-3 gathers parameters inside them): ranks with fewer batches
     repeat one and do not count it.
@@ -139,12 +139,11 @@ def evaluate_acceptance(objective, prepared_batches: list[dict], depth: int, ran
             reached += counts.double()
             loss_sum += torch.tensor([float(loss), 1.0], dtype=torch.float64, device=device)
             lengths = run_lengths(next_token_mask(batch["assistant_mask"]))  # the rows matches counts, in order
-            walk += torch.tensor([sum(lengths), decoding_passes(accepted, lengths)], dtype=torch.float64,
-                                 device=device)
+            walk += torch.tensor(decoding_walk(accepted, lengths), dtype=torch.float64, device=device)
     totals = all_reduce(torch.cat((reached, loss_sum, walk)))
     objective.train(was_training)
     return {"reached": totals[: depth + 1].cpu(), "val_loss": float(totals[-4] / totals[-3].clamp_min(1)),
-            "decoding_tau": float(totals[-2] / totals[-1].clamp_min(1))}
+            "decoding_tau": float(totals[-2] / totals[-1]) if totals[-1] > 0 else 1.0}
 
 
 def evaluation_batches(split, eval_conf) -> list[list[dict]]:
