@@ -40,6 +40,41 @@ def tree_sizes(parser, values: list[str], default_dtype: str) -> dict[str, int]:
     return sizes
 
 
+RECORD_KEYS = ("data_command", "data_seconds", "command", "wall_seconds", "tokens_per_s_median", "final_eval", "note",
+               "continued_from")
+
+
+def run_record(run_dir: Path) -> dict:
+    """What a finished training run says of itself: its command line (Hydra's overrides), median training rate and
+    final held-out evaluation."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    overrides_path = run_dir / ".hydra" / "overrides.yaml"
+    overrides = yaml.safe_load(overrides_path.read_text()) if overrides_path.is_file() else []
+    return {"command": "python training/train.py " + " ".join(overrides),
+            "tokens_per_s_median": summary.get("tokens_per_s_median"), "final_eval": summary.get("final_eval") or {}}
+
+
+def start_record(config: dict, seen: frozenset = frozenset()) -> dict | None:
+    """How the head a run continued (its ``init_from``) was made, for ``training.continued_from``; None for a run
+    from scratch or a start that is gone. A shipped head carries its record; a training run's own head/ does not,
+    so it is read from that run's directory, and its own start in turn."""
+    init_from = config.get("training", {}).get("config", {}).get("init_from")
+    if not init_from or not (Path(init_from) / CONFIG_NAME).is_file():
+        return None
+    head_dir = Path(init_from).resolve()
+    if head_dir in seen:  # a run that continued a head it later shipped over: stop where the chain repeats
+        return None
+    start = read_head_config(head_dir)
+    training = start.get("training", {})
+    if "command" in training or not (head_dir.parent / "summary.json").is_file():
+        return {key: training[key] for key in RECORD_KEYS if key in training}
+    record = run_record(head_dir.parent)
+    earlier = start_record(start, seen | {head_dir})
+    if earlier is not None:
+        record["continued_from"] = earlier
+    return record
+
+
 def rank_paths_tree(report_path: Path, config: dict) -> dict:
     """The ``tree`` entries of a Medusa tree measured by scripts/eval_head.py (its --out report) for the head of
     ``config``; a SystemExit naming the problem for any other report."""
@@ -125,10 +160,8 @@ def main(argv=None) -> int:
     summary_path = args.run_dir / "summary.json"
     if not summary_path.is_file():
         raise SystemExit(f"{summary_path} is missing: ship only a finished run (training writes it at the end)")
-    summary = json.loads(summary_path.read_text())
-    overrides_path = args.run_dir / ".hydra" / "overrides.yaml"
-    overrides = yaml.safe_load(overrides_path.read_text()) if overrides_path.is_file() else []
-    final = summary.get("final_eval") or {}
+    record = run_record(args.run_dir)
+    final = record["final_eval"]
     if final.get("acc"):
         config["tree"]["acceptance"] = final["acc"]
     for key, value in (("depth", args.depth), ("top_k", args.top_k)):
@@ -139,18 +172,10 @@ def main(argv=None) -> int:
         for key in ("size", "size_dtype", "tokens", "tokens_dtype"):  # the older one-dtype form
             config["tree"].pop(key, None)
         config["tree"]["sizes"] = sizes
-    init_from = config["training"].get("config", {}).get("init_from")
-    if init_from and (Path(init_from) / CONFIG_NAME).is_file():  # a continued run: keep how its start was made
-        start = read_head_config(Path(init_from)).get("training", {})
-        config["training"]["continued_from"] = {key: start.get(key) for key in (
-            "data_command", "data_seconds", "command", "wall_seconds", "tokens_per_s_median", "final_eval", "note",
-            "continued_from") if key in start}
-    config["training"].update({
-        "command": "python training/train.py " + " ".join(overrides),
-        "wall_seconds": args.train_seconds,
-        "tokens_per_s_median": summary.get("tokens_per_s_median"),
-        "final_eval": final,
-    })
+    start = start_record(config)
+    if start is not None:  # a continued run: keep how its start was made
+        config["training"]["continued_from"] = start
+    config["training"].update(record, wall_seconds=args.train_seconds)
     if args.data_command:
         config["training"].update(data_command=args.data_command, data_seconds=args.data_seconds)
     dtype = parse_dtype(args.dtype)

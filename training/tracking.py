@@ -128,30 +128,45 @@ def read_curves(path: Path) -> list[dict]:
 
 def plot_learning_curves(curves: dict[str, tuple[list[dict], int]], path: Path, depth: int = 3,
                          title: str = "") -> Path:
-    """Held-out acc@1..``depth`` and tau against training tokens (log axis), one line style per curve.
+    """Held-out acc@1..``depth`` and tau against training tokens (log axis): one panel per figure, one colour per run.
 
     curves: {label: (history entries, tokens the head had trained on before the run)}: a run continuing a trained
-    head starts at its earlier budget, so its first point is the head it started from."""
+    head starts at its earlier budget, so its first point is the head it started from. Where a run's entries have
+    ``decoding_tau`` it is drawn dashed beside the chain's tau."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    styles = ["-", "--", ":", "-."]
-    for (label, (history, offset)), style in zip(curves.items(), styles * len(curves)):
+    columns = 2
+    rows = (depth + 1 + columns - 1) // columns
+    figure, axes = plt.subplots(rows, columns, figsize=(10, 3.4 * rows), squeeze=False)
+    panels = list(axes.flat)
+    for index, (label, (history, offset)) in enumerate(curves.items()):
         tokens = [offset + entry["tokens"] for entry in history]
         if min(tokens) <= 0:
             raise ValueError(f"{label}: a log axis needs positive token counts; give the head's earlier budget")
+        color = plt.cm.tab10(index % 10)
         for k in range(depth):
-            left.plot(tokens, [entry["acc"][k] if len(entry["acc"]) > k else float("nan") for entry in history],
-                      style, marker="o", markersize=3, color=plt.cm.tab10(k), label=f"{label}: acc@{k + 1}")
-        right.plot(tokens, [entry["tau"] for entry in history], style, marker="o", markersize=3, label=label)
-    left.set(xscale="log", xlabel="training tokens", ylabel="held-out acc@k", ylim=(0, 1),
-             title="acceptance at draft step k (given steps 1..k-1)")
-    right.set(xscale="log", xlabel="training tokens", ylabel="tau (greedy chain)", title="expected accepted length")
-    left.legend(fontsize=7)
-    right.legend(fontsize=7)
+            panels[k].plot(tokens, [entry["acc"][k] if len(entry["acc"]) > k else float("nan") for entry in history],
+                           marker="o", markersize=3, color=color, label=label)
+        walked = any("decoding_tau" in entry for entry in history)
+        panels[depth].plot(tokens, [entry["tau"] for entry in history], marker="o", markersize=3, color=color,
+                           label=f"{label}: chain" if walked else label)
+        if walked:
+            panels[depth].plot(tokens, [entry.get("decoding_tau", float("nan")) for entry in history], "--",
+                               marker="o", markersize=3, color=color, label=f"{label}: as decoding gets it")
+    for k in range(depth):
+        panels[k].set(xscale="log", xlabel="training tokens", ylabel=f"held-out acc@{k + 1}",
+                      title=f"draft step {k + 1} accepted, given {'step 1' if k == 1 else f'steps 1-{k}'}" if k
+                      else "draft step 1 accepted")
+    panels[depth].set(xscale="log", xlabel="training tokens", ylabel="tau (greedy chain)",
+                      title="tokens per target pass")
+    for panel in panels[depth + 1:]:
+        panel.axis("off")
+    for panel in panels[:depth + 1]:
+        panel.grid(alpha=0.3)
+        panel.legend(fontsize=7)
     if title:
         figure.suptitle(title)
     figure.tight_layout()
