@@ -1,7 +1,7 @@
 """Heads in the layouts other code reads and writes: export for SGLang, vLLM and the reference code, and import of
 published heads (the EAGLE authors', SpecForge's, FasterDecoding's Medusa, our own exports).
 
-Export formats (``export_files``), each exactly what its reader loads (checked against the readers' source; DESIGN 4):
+Export formats (``export_files``), each exactly what its reader loads (checked against the readers' source):
 
 - ``sglang`` (the default for EAGLE heads; ``vllm`` is Medusa's): EAGLE-3 ``LlamaForCausalLMEagle3`` (``fc``,
   ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``); EAGLE-1 ``LlamaForCausalLMEagle`` (``fc`` with bias,

@@ -1,5 +1,5 @@
-"""Export a trained head for a serving engine or the reference code (DESIGN 4), and optionally a Medusa-2 target
-with its LoRA merged.
+"""Export a trained head for a serving engine or the reference code, and optionally a Medusa-2 target with its LoRA
+merged.
 
   python scripts/export.py runs/eagle3/head exported/eagle3 [--format sglang|vllm|reference|all] [--dtype bfloat16]
   python scripts/export.py runs/medusa/head exported/medusa --merged-target exported/target   # Medusa-2

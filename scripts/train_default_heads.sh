@@ -41,10 +41,13 @@ MEDUSA_STAGE1=$!
 wait "$EAGLE3_STAGE1"
 wait "$MEDUSA_STAGE1"
 
+# stage 2 continues stage 1 as it was shipped (bf16 weights), and the stage's record keeps its wall time
+python scripts/ship_head.py "$RUNS/smollm2-eagle3" smollm2-135m-eagle3-stage1 --into "$RUNS/stages" \
+  --train-seconds "$(cat "$RUNS/eagle3.seconds")"
 timed "$RUNS/eagle3-long.seconds" python training/train.py head=eagle3 head.ttt_steps=4 head.lr=3e-4 trainer.lr=3e-4 \
   trainer.threads=2 trainer.max_steps=3000 trainer.stop_after=900 trainer.warmup_steps=10 trainer.seed=1 \
   data.max_samples=12000 eval.at_start=false eval.every=250 eval.max_samples=16 checkpoint.every=20 \
-  init_from="$RUNS/smollm2-eagle3/head" output_dir="$RUNS/smollm2-eagle3-long"
+  init_from="$RUNS/stages/smollm2-135m-eagle3-stage1" output_dir="$RUNS/smollm2-eagle3-long"
 python scripts/ship_head.py "$RUNS/smollm2-eagle3-long" smollm2-135m-eagle3-stage2 --into "$RUNS/stages" \
   --train-seconds "$(cat "$RUNS/eagle3-long.seconds")"
 
