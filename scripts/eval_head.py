@@ -14,9 +14,10 @@ position and overstates it, since decoding skips the positions its accepted draf
   for the same data settings (pass the run's ``--max-samples``, ``--val-samples``, ``--max-length`` and
   ``--data-seed``);
 - ``--prompts [FILE]``: the target's own greedy replies to prompts (default: MT-bench's 80 first turns; a JSONL file
-  of ``{"prompt": ...}`` or ``{"turns": [...]}``), generated here by the runtime's batched plain decoding. This
-  scores the head on a benchmark's distribution without any tree: the gap to the held-out figure is how far the
-  benchmark is from the training data for this head.
+  of ``{"prompt": ...}`` or ``{"turns": [...]}``), generated here by the runtime's batched plain decoding and scored
+  on the very tokens it generated (``training.evaluate.reply_samples``). This scores the head on a benchmark's
+  distribution without any tree: the gap to the held-out figure is how far the benchmark is from the training data
+  for this head; in fp32, where the benchmark's outputs are these replies, its ``decoding_tau`` is the benchmark's.
 
 For a Medusa head the report also holds the static tree measured on the same positions (``tree``: the most frequent
 rank paths, ``runtime.proposers.medusa.measured_rank_paths``) and the tau each tree size gets there, over every
@@ -57,18 +58,16 @@ def head_conf_for(head):
     return EagleHeadConf()
 
 
-def prompt_replies(target, prompts: list[str], max_new_tokens: int, batch_size: int) -> list[list[int]]:
-    """The target's greedy reply (token ids) to each prompt, decoded in batches without speculation."""
+def prompt_replies(target, encoded: list[torch.Tensor], max_new_tokens: int, batch_size: int) -> list[list[int]]:
+    """The target's greedy reply (token ids) to each encoded prompt, decoded in batches without speculation."""
     from tqdm import tqdm
 
     from runtime.batched import BatchedDecoder
     from runtime.proposers.base import NoProposer
-    from runtime.prompts import encode_prompt
 
     decoder = BatchedDecoder(target, NoProposer())
-    replies: list[list[int]] = [[] for _ in prompts]
-    encoded = [encode_prompt(target.tokenizer, text) for text in prompts]
-    for number, result in tqdm(decoder.results(encoded, max_new_tokens, batch_size=batch_size), total=len(prompts),
+    replies: list[list[int]] = [[] for _ in encoded]
+    for number, result in tqdm(decoder.results(encoded, max_new_tokens, batch_size=batch_size), total=len(encoded),
                                desc="target replies", unit="prompt"):
         replies[number] = list(result.tokens)
     return replies
@@ -76,10 +75,11 @@ def prompt_replies(target, prompts: list[str], max_new_tokens: int, batch_size: 
 
 def evaluate_head(head_dir: Path, target_name: str, eval_samples: int, eval_batch: int, depth: int,
                   data: Path | None = None, max_samples: int | None = None, val_samples: int = 32,
-                  max_length: int = 512, data_seed: int = 0, prompts: list[str] | None = None,
+                  max_length: int | None = None, data_seed: int = 0, prompts: list[str] | None = None,
                   max_new_tokens: int = 256, reply_batch: int = 16, max_rank_paths: int = 255) -> dict:
     from heads.formats import load_any_head
     from runtime.benchmark import machine_description
+    from runtime.prompts import encode_prompt
     from runtime.proposers import check_target_adapters
     from runtime.target import load_target
     from training.config import DataConf, EvalConf
@@ -97,16 +97,17 @@ def evaluate_head(head_dir: Path, target_name: str, eval_samples: int, eval_batc
         report.update(feature_layers=list(head.feature_layers), draft_vocab=head.draft_vocab_size)
     if prompts is not None:
         started = time.perf_counter()
-        replies = prompt_replies(target, prompts, max_new_tokens, reply_batch)
+        encoded = [encode_prompt(target.tokenizer, text) for text in prompts]
+        replies = prompt_replies(target, encoded, max_new_tokens, reply_batch)
         report["reply_seconds"] = time.perf_counter() - started
         report["reply_tokens"] = sum(len(reply) for reply in replies)
-        samples = reply_samples(target.tokenizer, prompts, replies, max_length)
+        samples = reply_samples(encoded, replies, max_length)
         eval_conf = EvalConf(depth=depth, max_samples=len(samples), batch_size=eval_batch)
         result = samples_acceptance(target, head, head_conf, samples, eval_conf, max_rank_paths)
         report["scored_on"] = "the target's greedy replies to the prompts"
     else:
         data_conf = DataConf(source="json", path=str(data), max_samples=max_samples, val_samples=val_samples,
-                             max_length=max_length, seed=data_seed, cache=False)
+                             max_length=max_length or 512, seed=data_seed, cache=False)
         eval_conf = EvalConf(depth=depth, max_samples=eval_samples, batch_size=eval_batch)
         result = held_out_acceptance(target, head, head_conf, data_conf, eval_conf, max_rank_paths)
         report["scored_on"] = f"the held-out split of {data}"
@@ -136,17 +137,20 @@ def decoding_taus(trees: dict[int, list[tuple[int, ...]]], result: dict) -> dict
 
 def head_tree_taus(head, tree: dict, result: dict, sizes: list[int]) -> dict:
     """Tau by size, on the scored text, of the trees the head's config makes the runtime draft: its measured rank
-    paths where it has them, and the estimate from its acceptance (what a head without them drafts); averaged over
-    every position (``tau_by_size_*``) and as decoding gets it (``decoding_tau_by_size_*``)."""
+    paths where it has them (every size they make), and the estimate from its acceptance (what a head without them
+    drafts; at ``sizes``, those of the tree measured on the text); averaged over every position (``tau_by_size_*``)
+    and as decoding gets it (``decoding_tau_by_size_*``)."""
     from runtime.proposers.medusa import MedusaProposer, tree_tau
 
     accuracy = tree.get("acceptance")
-    proposers = {"estimated": MedusaProposer(head, head_accuracy=accuracy[: head.num_heads] if accuracy else None)}
+    proposers = {"estimated": (MedusaProposer(head, head_accuracy=accuracy[: head.num_heads] if accuracy else None),
+                               sizes)}
     if tree.get("rank_paths"):
-        proposers["head"] = MedusaProposer(head, rank_paths=tree["rank_paths"])
+        paths = tree["rank_paths"]
+        proposers["head"] = (MedusaProposer(head, rank_paths=paths), [n for n in TREE_SIZES if n <= len(paths) + 1])
     taus = {}
-    for name, proposer in proposers.items():
-        trees = {size: proposer.tree_choices(size) for size in sizes}
+    for name, (proposer, tree_sizes) in proposers.items():
+        trees = {size: proposer.tree_choices(size) for size in tree_sizes}
         taus[f"tau_by_size_{name}_tree"] = {str(size): tree_tau(choices, result["path_frequency"])
                                             for size, choices in trees.items()}
         taus[f"decoding_tau_by_size_{name}_tree"] = decoding_taus(trees, result)
@@ -165,8 +169,9 @@ def main(argv=None) -> int:
                                                        "Medusa-2 head needs its merged target)")
     parser.add_argument("--max-samples", type=positive_int, help="--data: the run's data.max_samples")
     parser.add_argument("--val-samples", type=positive_int, help="--data: the run's data.val_samples (32)")
-    parser.add_argument("--max-length", type=positive_int, default=512,
-                        help="tokens of a conversation scored (--data: the run's data.max_length)")
+    parser.add_argument("--max-length", type=positive_int,
+                        help="tokens of a conversation scored (--data: the run's data.max_length, 512; --prompts: "
+                             "every prompt and reply whole unless given)")
     parser.add_argument("--data-seed", type=int, help="--data: the run's data.seed (0)")
     parser.add_argument("--eval-samples", type=positive_int, help="--data: held-out conversations scored (16)")
     parser.add_argument("--limit", type=positive_int, help="--prompts: score the first N prompts (after --stride)")

@@ -375,20 +375,18 @@ def test_a_recorded_sample_keeps_the_last_token_no_pass_ran_on():
         assert predicting == [3, 4, 5, 6]  # row 6 predicts the end of the turn
 
 
-def test_reply_samples_mask_exactly_the_reply_and_its_end_of_turn():
-    """A prompt with the target's reply, tokenized as training tokenizes a conversation: only the reply (special
-    tokens of the generated ids dropped) and the template's end of turn are scored; a cut keeps the start."""
-    from tests.tiny_training import char_tokenizer
+def test_reply_samples_are_the_generated_tokens_with_only_the_reply_scored():
+    """The prompt's ids as the decoder was given them, then the reply's as generated: a reply ending in the end of
+    turn keeps it, a reply cut by the length limit gets none added; a cut at max_length keeps the start."""
     from training.evaluate import reply_samples
 
-    tokenizer = char_tokenizer()
-    replies = [tokenizer("ab ab.")["input_ids"] + [tokenizer.eos_token_id], tokenizer("x")["input_ids"]]
-    samples = reply_samples(tokenizer, ["repeat ab 2 times", "say x"], replies, max_length=64)
-    scored = [tokenizer.decode(torch.tensor(s["input_ids"])[torch.tensor(s["assistant_mask"])]) for s in samples]
-    assert scored == ["ab ab.<|im_end|>\n", "x<|im_end|>\n"]
-    assert tokenizer.decode(samples[1]["input_ids"]) == ("<|im_start|>user\nsay x<|im_end|>\n"
-                                                         "<|im_start|>assistant\nx<|im_end|>\n")
-    cut = reply_samples(tokenizer, ["repeat ab 2 times"], replies[:1], max_length=20)[0]
-    assert len(cut["input_ids"]) == 20 and not any(cut["assistant_mask"])
-    with pytest.raises(ValueError):
-        reply_samples(tokenizer, ["one prompt"], replies, max_length=64)  # a reply for every prompt
+    prompts, replies = [[5, 6, 7], torch.tensor([8, 9])], [[20, 21, 2], torch.tensor([30, 31, 32])]
+    samples = reply_samples(prompts, replies, max_length=64)
+    assert samples[0] == {"input_ids": [5, 6, 7, 20, 21, 2], "assistant_mask": [False] * 3 + [True] * 3}
+    assert samples[1] == {"input_ids": [8, 9, 30, 31, 32], "assistant_mask": [False] * 2 + [True] * 3}
+    predicting = next_token_mask(torch.tensor(samples[0]["assistant_mask"])[None])[0].nonzero().flatten().tolist()
+    assert predicting == [2, 3, 4]  # one row per reply token: the prompt's last predicts the first
+    cut = reply_samples(prompts[:1], replies[:1], max_length=4)[0]
+    assert cut == {"input_ids": [5, 6, 7, 20], "assistant_mask": [False, False, False, True]}
+    with pytest.raises(ValueError, match="one reply for every prompt"):
+        reply_samples(prompts[:1], replies, max_length=64)

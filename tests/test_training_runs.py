@@ -116,22 +116,23 @@ def check_decoding_tau_is_the_runtimes(target, head, conf) -> None:
     from runtime.decoder import SpeculativeDecoder
     from runtime.proposers.medusa import MedusaProposer, closed_choices, tree_accepted
     from training.data import build_splits
-    from training.evaluate import samples_acceptance
+    from training.evaluate import reply_samples, samples_acceptance
     from training.metrics import decoding_walk
 
     choices = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
     decoder = SpeculativeDecoder(target, MedusaProposer(head, choices=choices), tree_size=1 + len(choices))
-    samples, tokens, passes = [], 0, 0
+    prompts, replies, tokens, passes = [], [], 0, 0
     for conversation in build_splits(conf.data, target.tokenizer)["validation"].select(range(4)):
         mask = conversation["assistant_mask"]
         prompt = conversation["input_ids"][: mask.index(1)]
         result = decoder.generate(prompt, 40)
         tokens, passes = tokens + sum(result.accept_lengths), passes + len(result.accept_lengths)
-        samples.append({"input_ids": prompt + result.tokens, "assistant_mask": [0] * len(prompt) + [1] * len(
-            result.tokens)})
+        prompts.append(prompt)
+        replies.append(result.tokens)
+    samples = reply_samples(prompts, replies, max_length=1024)
     scored = samples_acceptance(target, head, conf.head, samples, dataclasses.replace(conf.eval, max_samples=4),
                                 max_rank_paths=1)
-    assert scored["positions"] == sum(len(s["input_ids"]) - s["assistant_mask"].index(1) for s in samples)
+    assert scored["positions"] == sum(map(len, replies))
     accepted = tree_accepted(closed_choices(choices), scored["ranks"])
     assert accepted.max() >= 2, "the head should get drafts accepted for this check to mean anything"
     assert decoding_walk(accepted, scored["run_lengths"]) == (tokens, passes)
@@ -168,7 +169,7 @@ def check_eval_head_script(tiny, run_dir: Path, final_eval: dict, head_type: str
         for key in ("decoding_tau_by_size", "decoding_tau_by_size_estimated_tree"):  # as decoding gets them
             assert tree[key].keys() == best.keys() and all(1 <= tau <= 1 + steps for tau in tree[key].values())
     assert 1 <= report["decoding_tau"] <= 1 + steps
-    assert 0 < report["reply_tokens"] <= 2 * 24 and report["positions"] >= report["reply_tokens"] - 2
+    assert 0 < report["reply_tokens"] <= 2 * 24 and report["positions"] == report["reply_tokens"]
     reached = [report["positions"]]
     for rate in report["acc"]:
         reached.append(reached[-1] * rate)

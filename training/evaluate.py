@@ -208,16 +208,17 @@ def samples_acceptance(target, head, head_conf, samples, eval_conf, max_rank_pat
     return report
 
 
-def reply_samples(tokenizer, prompts: list[str], replies: list[list[int]], max_length: int,
-                  chat_template: str | None = None) -> list[dict]:
-    """Training samples {"input_ids", "assistant_mask"} of single-turn conversations: each prompt with the target's
-    reply to it (token ids, decoded to text and tokenized as training tokenizes a conversation)."""
-    from training.data import resolve_template, tokenize_conversation
-
-    template = resolve_template(tokenizer, chat_template)
+def reply_samples(prompts: list[list[int]], replies: list[list[int]], max_length: int | None = None) -> list[dict]:
+    """Samples {"input_ids", "assistant_mask"} of the target's replies exactly as it generated them: each prompt's
+    token ids (as the decoder was given them) followed by its reply's, only the reply scored (with its end of turn
+    where the target generated one; a reply cut by the length limit has none). A sample over ``max_length`` (None:
+    no limit) keeps its start. These are the positions decoding drafted at, token for token, so ``decoding_tau`` on
+    them is the tau a benchmark decoding those prompts measures."""
+    if len(prompts) != len(replies):
+        raise ValueError(f"{len(prompts)} prompts but {len(replies)} replies: one reply for every prompt")
     samples = []
-    for prompt, reply in zip(prompts, replies, strict=True):
-        messages = [{"role": "user", "content": prompt},
-                    {"role": "assistant", "content": tokenizer.decode(reply, skip_special_tokens=True).strip()}]
-        samples.append(tokenize_conversation(tokenizer, messages, max_length, template))
+    for prompt, reply in zip(prompts, replies):
+        prompt, reply = list(map(int, prompt)), list(map(int, reply))
+        samples.append({"input_ids": (prompt + reply)[:max_length],
+                        "assistant_mask": ([False] * len(prompt) + [True] * len(reply))[:max_length]})
     return samples
