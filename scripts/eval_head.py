@@ -17,7 +17,8 @@ position and overstates it, since decoding skips the positions its accepted draf
   of ``{"prompt": ...}`` or ``{"turns": [...]}``), generated here by the runtime's batched plain decoding and scored
   on the very tokens it generated (``training.evaluate.reply_samples``). This scores the head on a benchmark's
   distribution without any tree: the gap to the held-out figure is how far the benchmark is from the training data
-  for this head; in fp32, where the benchmark's outputs are these replies, its ``decoding_tau`` is the benchmark's.
+  for this head; in fp32, where the benchmark's outputs are these replies, a Medusa tree's ``decoding_tau_by_size*``
+  at the benchmark's tree size is the benchmark's tau.
 
 For a Medusa head the report also holds the static tree measured on the same positions (``tree``: the most frequent
 rank paths, ``runtime.proposers.medusa.measured_rank_paths``) and the tau each tree size gets there, over every
@@ -131,15 +132,16 @@ def decoding_taus(trees: dict[int, list[tuple[int, ...]]], result: dict) -> dict
     from runtime.proposers.medusa import tree_accepted
     from training.metrics import decoding_tau
 
-    return {str(size): decoding_tau(tree_accepted(choices, result["ranks"]), result["run_lengths"])
+    lengths, reached = result["run_lengths"], result["reached"]
+    return {str(size): decoding_tau(tree_accepted(choices, result["ranks"]), lengths, reached)
             for size, choices in trees.items()}
 
 
 def head_tree_taus(head, tree: dict, result: dict, sizes: list[int]) -> dict:
     """Tau by size, on the scored text, of the trees the head's config makes the runtime draft: its measured rank
-    paths where it has them (every size they make), and the estimate from its acceptance (what a head without them
-    drafts; at ``sizes``, those of the tree measured on the text); averaged over every position (``tau_by_size_*``)
-    and as decoding gets it (``decoding_tau_by_size_*``)."""
+    paths where it has them (every size of ``TREE_SIZES`` they make), and the estimate from its acceptance (what a
+    head without them drafts; at ``sizes``, those of the tree measured on the text); averaged over every position
+    (``tau_by_size_*``) and as decoding gets it (``decoding_tau_by_size_*``)."""
     from runtime.proposers.medusa import MedusaProposer, tree_tau
 
     accuracy = tree.get("acceptance")

@@ -14,7 +14,8 @@ from heads.eagle3 import Eagle3Config, Eagle3Head
 from training.draft_vocab import build_draft_vocab, count_tokens, draft_to_target_ids, target_to_draft_ids
 from training.losses import (decay_weights, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
                              sparse_soft_cross_entropy)
-from training.masks import ChainCache, chain_attention_mask, next_token_mask, run_lengths, shift_left
+from training.masks import (ChainCache, chain_attention_mask, next_token_mask, reply_ends, run_lengths,
+                            shift_left)
 from training.metrics import acceptance_counts, acceptance_rates, decoding_tau, decoding_walk
 
 
@@ -103,8 +104,21 @@ def test_decoding_tau_walks_each_reply_from_its_start():
     assert decoding_walk(torch.tensor([3, 0, 0]), [3]) == (2, 1)  # drafts past the end of turn emit nothing
     assert decoding_walk(torch.zeros(4, dtype=torch.long), [1, 3]) == (2, 2)  # a one-token reply: the prefill's
     assert decoding_tau(torch.zeros(1, dtype=torch.long), [1]) == 1.0  # no pass at all: as plain decoding
+    # a template's newline after the end of turn is in the reply mask, but decoding stops at the end of turn
+    run = torch.tensor([1, 0, 0, 0])  # positions predicting c1, <end>, "\n" and past it
+    assert decoding_walk(run, [4]) == (3, 2) and decoding_walk(run, [4], reached=[3]) == (2, 1)
     with pytest.raises(ValueError, match="sum"):
         decoding_tau(accepted, [4])
+
+
+def test_reply_ends_stop_each_run_at_its_first_end_of_turn():
+    """Position j of a run at column c predicts the token at c + j + 1: a run is reached up to the position that
+    predicts the end of turn (9 here), the whole run where none comes (a reply cut short)."""
+    ids = torch.tensor([[1, 5, 6, 9, 4, 1, 7, 9, 4], [1, 5, 6, 7, 8, 0, 0, 0, 0]])
+    predict = torch.tensor([[1, 1, 1, 1, 0, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    assert run_lengths(predict) == [4, 3, 4]
+    assert reply_ends(ids, predict, {9}) == [3, 2, 4]  # 5 6 9 (then 4) | 7 9 (then 4) | no end: all of 5 6 7 8
+    assert reply_ends(ids, predict, {9, 5}) == [1, 2, 1]  # the first end of turn counts
 
 
 def test_run_lengths_are_the_runs_nonzero_lists_in_order():

@@ -135,7 +135,7 @@ def check_decoding_tau_is_the_runtimes(target, head, conf) -> None:
     assert scored["positions"] == sum(map(len, replies))
     accepted = tree_accepted(closed_choices(choices), scored["ranks"])
     assert accepted.max() >= 2, "the head should get drafts accepted for this check to mean anything"
-    assert decoding_walk(accepted, scored["run_lengths"]) == (tokens, passes)
+    assert decoding_walk(accepted, scored["run_lengths"], scored["reached"]) == (tokens, passes)
 
 
 def check_eval_head_script(tiny, run_dir: Path, final_eval: dict, head_type: str) -> None:

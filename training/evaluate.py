@@ -17,7 +17,7 @@ import contextlib
 import torch
 
 from training.features import target_features
-from training.masks import ChainCache, chain_attention_mask, next_token_mask, run_lengths
+from training.masks import ChainCache, chain_attention_mask, next_token_mask, reply_ends, run_lengths
 from training.metrics import acceptance_counts, decoding_walk
 
 
@@ -56,6 +56,9 @@ def prepare_batch(target, batch: dict, head_conf, eval_conf, feature_layers: lis
         prepared.update(target_features(target, ids, feature_layers))
     extra = 1 if head_conf.head_type == "medusa" else 0  # Medusa's first head drafts the token after the bonus
     prepared["branches"] = greedy_branches(target, ids, eval_depth(head_conf, eval_conf) + extra)
+    # where decoding would stop in each reply: the decoding walk ends there
+    prepared["reached"] = torch.tensor(reply_ends(ids, next_token_mask(prepared["assistant_mask"]),
+                                                  target.eos_token_ids), dtype=torch.long)
     return prepared
 
 
@@ -139,7 +142,8 @@ def evaluate_acceptance(objective, prepared_batches: list[dict], depth: int, ran
             reached += counts.double()
             loss_sum += torch.tensor([float(loss), 1.0], dtype=torch.float64, device=device)
             lengths = run_lengths(next_token_mask(batch["assistant_mask"]))  # the rows matches counts, in order
-            walk += torch.tensor(decoding_walk(accepted, lengths), dtype=torch.float64, device=device)
+            walk += torch.tensor(decoding_walk(accepted, lengths, batch["reached"].tolist()), dtype=torch.float64,
+                                 device=device)
     totals = all_reduce(torch.cat((reached, loss_sum, walk)))
     objective.train(was_training)
     return {"reached": totals[: depth + 1].cpu(), "val_loss": float(totals[-4] / totals[-3].clamp_min(1)),
@@ -176,8 +180,8 @@ def samples_acceptance(target, head, head_conf, samples, eval_conf, max_rank_pat
     result as ``held_out_acceptance``'s. For a Medusa head and ``max_rank_paths`` > 0 it adds the static tree measured
     on the same positions: "rank_paths" and "rank_path_frequencies" (``measured_rank_paths``, that many at most),
     "path_frequency", {path: frequency} of every path seen (``runtime.proposers.medusa.tree_tau`` scores any tree
-    with it), and "ranks" [N, heads] with "run_lengths" (``decoding_tau`` of ``tree_accepted`` scores any tree as
-    decoding gets it).
+    with it), and "ranks" [N, heads] with "run_lengths" and "reached" (``decoding_tau`` of ``tree_accepted`` scores
+    any tree as decoding gets it).
 
     "decoding_tau" is the chain's tokens per pass as greedy decoding gets it, drafting only where the previous pass
     left off (``training.metrics.decoding_tau``); "tau" averages over every position and overstates it."""
@@ -205,6 +209,7 @@ def samples_acceptance(target, head, head_conf, samples, eval_conf, max_rank_pat
         report["ranks"] = ranks.cpu()
         report["run_lengths"] = [length for batch in prepared
                                  for length in run_lengths(next_token_mask(batch["assistant_mask"]))]
+        report["reached"] = [reached for batch in prepared for reached in batch["reached"].tolist()]
     return report
 
 

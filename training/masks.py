@@ -45,6 +45,26 @@ def run_lengths(mask: torch.Tensor) -> list[int]:
     return (ends - starts).tolist()
 
 
+def reply_ends(input_ids: torch.Tensor, predict: torch.Tensor, end_ids: set[int]) -> list[int]:
+    """For each run of ``predict`` [B, T] (``run_lengths``'s order; position j of a run at column c predicts
+    ``input_ids`` [B, T] at c + j + 1): how many of its positions decoding reaches, up to the one predicting the
+    run's first token in ``end_ids`` (the end of turn, after which decoding stops; a chat template's newline after
+    it is part of the reply mask but never decoded), or the whole run where it has none (a reply cut short)."""
+    padded = torch.nn.functional.pad(predict.bool(), (1, 1)).int()
+    edges = padded.diff(dim=1)
+    rows, starts = (edges == 1).nonzero(as_tuple=True)
+    ends = (edges == -1).nonzero(as_tuple=True)[1]
+    is_end = torch.zeros_like(input_ids, dtype=torch.bool)
+    for token in end_ids:
+        is_end |= input_ids == token
+    reached = []
+    for row, start, end in zip(rows.tolist(), starts.tolist(), ends.tolist()):
+        predicted = is_end[row, start + 1:end + 1]  # the tokens the run's positions predict
+        hits = predicted.nonzero()
+        reached.append(int(hits[0]) + 1 if hits.numel() else end - start)
+    return reached
+
+
 class ChainCache:
     """Keys/values of every draft step, concatenated along the sequence (keeps autograd through earlier steps).
 

@@ -30,7 +30,7 @@ def acceptance_rates(reached: torch.Tensor) -> tuple[list[float], float]:
     return conditional, tau
 
 
-def decoding_walk(accepted: torch.Tensor, lengths: list[int]) -> tuple[int, int]:
+def decoding_walk(accepted: torch.Tensor, lengths: list[int], reached: list[int] | None = None) -> tuple[int, int]:
     """(tokens, verification passes) of greedy decoding over text on which a drafter gets accepted[n] drafts
     accepted at position n: accepted [N] long over consecutive runs of positions (one reply each, position n
     predicting reply token n), ``lengths`` their sizes in order (sum N).
@@ -39,27 +39,29 @@ def decoding_walk(accepted: torch.Tensor, lengths: list[int]) -> tuple[int, int]
     first pass drafts at position 0 and emits tokens 1 .. accepted[0] + 1; each next one drafts where the previous
     left off, n + accepted[n] + 1, so the positions its drafts covered are never drafted at. The walk ends once
     the reply's last token (its end of turn) is emitted: a reply of L tokens gives L - 1 tokens over its passes.
-    tokens / passes is what a benchmark measures on that text (``decoding_tau``).
+    ``reached``: how many of each run's positions decoding reaches (``training.masks.reply_ends``: a run may go on
+    past the end of turn; default: all). tokens / passes is what a benchmark measures on that text
+    (``decoding_tau``).
     """
     if accepted.dim() != 1 or sum(lengths) != accepted.shape[0]:
         raise ValueError(f"accepted must be [N] with N = sum(lengths) = {sum(lengths)}, got shape "
                          f"{tuple(accepted.shape)}")
     steps = (accepted + 1).tolist()
     tokens, passes, start = 0, 0, 0
-    for length in lengths:
+    for length, walked in zip(lengths, lengths if reached is None else reached, strict=True):
         position = 0
-        while position < length - 1:
+        while position < walked - 1:
             position += steps[start + position]
             passes += 1
-        tokens += max(length - 1, 0)
+        tokens += max(walked - 1, 0)
         start += length
     return tokens, passes
 
 
-def decoding_tau(accepted: torch.Tensor, lengths: list[int]) -> float:
+def decoding_tau(accepted: torch.Tensor, lengths: list[int], reached: list[int] | None = None) -> float:
     """Tokens per verification pass greedy decoding gets (``decoding_walk``'s arguments; 1.0 where no pass is
     taken, as for plain decoding). tau (``acceptance_rates``) averages over every position instead; acceptance comes
     in stretches (what a head gets right at one position it tends to get right at the next), so the positions
     decoding skips are easier than those it drafts at, and tau overstates what decoding gets."""
-    tokens, passes = decoding_walk(accepted, lengths)
+    tokens, passes = decoding_walk(accepted, lengths, reached)
     return tokens / passes if passes else 1.0
