@@ -49,7 +49,7 @@ def run_record(run_dir: Path) -> dict:
     final held-out evaluation."""
     summary = json.loads((run_dir / "summary.json").read_text())
     overrides_path = run_dir / ".hydra" / "overrides.yaml"
-    overrides = yaml.safe_load(overrides_path.read_text()) if overrides_path.is_file() else []
+    overrides = (yaml.safe_load(overrides_path.read_text()) if overrides_path.is_file() else None) or []
     return {"command": "python training/train.py " + " ".join(overrides),
             "tokens_per_s_median": summary.get("tokens_per_s_median"), "final_eval": summary.get("final_eval") or {}}
 
@@ -59,7 +59,11 @@ def start_record(config: dict, seen: frozenset = frozenset()) -> dict | None:
     from scratch or a start that is gone. A shipped head carries its record; a training run's own head/ does not,
     so it is read from that run's directory, and its own start in turn."""
     init_from = config.get("training", {}).get("config", {}).get("init_from")
-    if not init_from or not (Path(init_from) / CONFIG_NAME).is_file():
+    if not init_from:
+        return None
+    if not (Path(init_from) / CONFIG_NAME).is_file():
+        print(f"note: the run continued {init_from}, which is not a head directory from here (a relative path is "
+              f"read from the directory training ran in): how it was made is not recorded", file=sys.stderr)
         return None
     head_dir = Path(init_from).resolve()
     if head_dir in seen:  # a run that continued a head it later shipped over: stop where the chain repeats

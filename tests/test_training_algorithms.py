@@ -394,7 +394,7 @@ def test_reply_samples_are_the_generated_tokens_with_only_the_reply_scored():
     turn keeps it, a reply cut by the length limit gets none added; a cut at max_length keeps the start."""
     from training.evaluate import reply_samples
 
-    prompts, replies = [[5, 6, 7], torch.tensor([8, 9])], [[20, 21, 2], torch.tensor([30, 31, 32])]
+    prompts, replies = [[5, 6, 7], torch.tensor([[8, 9]])], [[20, 21, 2], torch.tensor([30, 31, 32])]
     samples = reply_samples(prompts, replies, max_length=64)
     assert samples[0] == {"input_ids": [5, 6, 7, 20, 21, 2], "assistant_mask": [False] * 3 + [True] * 3}
     assert samples[1] == {"input_ids": [8, 9, 30, 31, 32], "assistant_mask": [False] * 2 + [True] * 3}

@@ -223,7 +223,7 @@ def reply_samples(prompts: list[list[int]], replies: list[list[int]], max_length
         raise ValueError(f"{len(prompts)} prompts but {len(replies)} replies: one reply for every prompt")
     samples = []
     for prompt, reply in zip(prompts, replies):
-        prompt, reply = list(map(int, prompt)), list(map(int, reply))
+        prompt, reply = torch.as_tensor(prompt).reshape(-1).tolist(), torch.as_tensor(reply).reshape(-1).tolist()
         samples.append({"input_ids": (prompt + reply)[:max_length],
                         "assistant_mask": ([False] * len(prompt) + [True] * len(reply))[:max_length]})
     return samples
