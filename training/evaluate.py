@@ -56,9 +56,11 @@ def prepare_batch(target, batch: dict, head_conf, eval_conf, feature_layers: lis
         prepared.update(target_features(target, ids, feature_layers))
     extra = 1 if head_conf.head_type == "medusa" else 0  # Medusa's first head drafts the token after the bonus
     prepared["branches"] = greedy_branches(target, ids, eval_depth(head_conf, eval_conf) + extra)
-    # where decoding would stop in each reply: the decoding walk ends there
-    prepared["reached"] = torch.tensor(reply_ends(ids, next_token_mask(prepared["assistant_mask"]),
-                                                  target.eos_token_ids), dtype=torch.long)
+    # the replies as the decoding walk takes them: each one's positions, in the order the matches list them, and
+    # how many of them decoding reaches before the end of turn stops it
+    predict = next_token_mask(prepared["assistant_mask"])
+    prepared["run_lengths"] = torch.tensor(run_lengths(predict), dtype=torch.long)
+    prepared["reached"] = torch.tensor(reply_ends(ids, predict, target.eos_token_ids), dtype=torch.long)
     return prepared
 
 
@@ -141,9 +143,8 @@ def evaluate_acceptance(objective, prepared_batches: list[dict], depth: int, ran
             counts, accepted = acceptance_counts(matches)
             reached += counts.double()
             loss_sum += torch.tensor([float(loss), 1.0], dtype=torch.float64, device=device)
-            lengths = run_lengths(next_token_mask(batch["assistant_mask"]))  # the rows matches counts, in order
-            walk += torch.tensor(decoding_walk(accepted, lengths, batch["reached"].tolist()), dtype=torch.float64,
-                                 device=device)
+            walk += torch.tensor(decoding_walk(accepted, batch["run_lengths"].tolist(), batch["reached"].tolist()),
+                                 dtype=torch.float64, device=device)
     totals = all_reduce(torch.cat((reached, loss_sum, walk)))
     objective.train(was_training)
     return {"reached": totals[: depth + 1].cpu(), "val_loss": float(totals[-4] / totals[-3].clamp_min(1)),
@@ -207,9 +208,8 @@ def samples_acceptance(target, head, head_conf, samples, eval_conf, max_rank_pat
         report["rank_paths"], report["rank_path_frequencies"] = paths[:max_rank_paths], frequencies[:max_rank_paths]
         report["path_frequency"] = dict(zip(paths, frequencies))  # every path seen: scores any tree
         report["ranks"] = ranks.cpu()
-        report["run_lengths"] = [length for batch in prepared
-                                 for length in run_lengths(next_token_mask(batch["assistant_mask"]))]
-        report["reached"] = [reached for batch in prepared for reached in batch["reached"].tolist()]
+        for key in ("run_lengths", "reached"):
+            report[key] = [value for batch in prepared for value in batch[key].tolist()]
     return report
 
 

@@ -35,32 +35,34 @@ def next_token_mask(assistant_mask: torch.Tensor) -> torch.Tensor:
     return shift_left(assistant_mask.bool(), 1, False)
 
 
-def run_lengths(mask: torch.Tensor) -> list[int]:
-    """Lengths of the runs of consecutive True columns of mask [B, T], row by row: the order in which
-    ``mask.nonzero()`` lists their positions (an assistant reply's positions make one run)."""
+def run_bounds(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The runs of consecutive True columns of mask [B, T], row by row (the order in which ``mask.nonzero()`` lists
+    their positions): (rows, starts, ends) [R] long each, a run covering columns start .. end - 1 of its row."""
     padded = torch.nn.functional.pad(mask.bool(), (1, 1)).int()  # a False column either side of each row
     edges = padded.diff(dim=1)  # [B, T + 1]: +1 where a run starts, -1 just past where it ends
-    starts = (edges == 1).nonzero(as_tuple=True)[1]
+    rows, starts = (edges == 1).nonzero(as_tuple=True)
     ends = (edges == -1).nonzero(as_tuple=True)[1]
+    return rows, starts, ends
+
+
+def run_lengths(mask: torch.Tensor) -> list[int]:
+    """Lengths of the runs of consecutive True columns of mask [B, T], in ``run_bounds``'s order (an assistant
+    reply's positions make one run)."""
+    _, starts, ends = run_bounds(mask)
     return (ends - starts).tolist()
 
 
 def reply_ends(input_ids: torch.Tensor, predict: torch.Tensor, end_ids: set[int]) -> list[int]:
-    """For each run of ``predict`` [B, T] (``run_lengths``'s order; position j of a run at column c predicts
+    """For each run of ``predict`` [B, T] (``run_bounds``'s order; position j of a run at column c predicts
     ``input_ids`` [B, T] at c + j + 1): how many of its positions decoding reaches, up to the one predicting the
     run's first token in ``end_ids`` (the end of turn, after which decoding stops; a chat template's newline after
     it is part of the reply mask but never decoded), or the whole run where it has none (a reply cut short)."""
-    padded = torch.nn.functional.pad(predict.bool(), (1, 1)).int()
-    edges = padded.diff(dim=1)
-    rows, starts = (edges == 1).nonzero(as_tuple=True)
-    ends = (edges == -1).nonzero(as_tuple=True)[1]
     is_end = torch.zeros_like(input_ids, dtype=torch.bool)
     for token in end_ids:
         is_end |= input_ids == token
     reached = []
-    for row, start, end in zip(rows.tolist(), starts.tolist(), ends.tolist()):
-        predicted = is_end[row, start + 1:end + 1]  # the tokens the run's positions predict
-        hits = predicted.nonzero()
+    for row, start, end in zip(*(bound.tolist() for bound in run_bounds(predict))):
+        hits = is_end[row, start + 1:end + 1].nonzero()  # among the tokens the run's positions predict
         reached.append(int(hits[0]) + 1 if hits.numel() else end - start)
     return reached
 
