@@ -21,6 +21,10 @@ class DraftHead(nn.Module):
     config_class: ClassVar[type]
     # Keys that heads saved by earlier versions recorded in head_config and that this head type ignores.
     legacy_config_keys: ClassVar[tuple[str, ...]] = ()
+    # The reader an export is for unless one is asked for (heads.formats.EXPORT_FORMATS).
+    default_export_format: ClassVar[str] = "sglang"
+    # Whether the head drafts with decoder layers whose style checkpoints record (heads.io.DRAFT_LAYER): EAGLE's.
+    has_draft_layers: ClassVar[bool] = False
 
     def __init__(self, config, target_config):
         super().__init__()
@@ -54,3 +58,18 @@ class DraftHead(nn.Module):
 
     def attach_target_weights(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         raise NotImplementedError
+
+    # ----- export (heads/formats.py dispatches here)
+
+    @classmethod
+    def export_refusal(cls, head_config: dict, target_layers: int | None, fmt: str) -> str | None:
+        """Why the known export format ``fmt`` cannot carry a head of this type with ``head_config`` (its saved
+        architecture dict) on a target of ``target_layers`` layers (None: unknown), as a message naming the fix; None
+        where it can. Needs only the config, so a command line can refuse before loading anything."""
+        return None
+
+    def export_files(self, fmt: str, base_model: str | None = None) -> dict:
+        """{file name: config dict (``.json``) or tensors (``.safetensors``, ``.bin``, ``.pt``)} of this head in the
+        layout reader ``fmt`` loads (``export_refusal`` has passed); ``base_model`` names the target where a layout
+        records it. The head needs its target weights attached."""
+        raise NotImplementedError(f"a {self.head_type} head has no export layout")

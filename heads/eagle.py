@@ -19,18 +19,24 @@ the target when a head is built or loaded.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from heads.base import DraftHead
-from heads.common import FrozenProjection, cache_argument, draft_layer_classes, draft_layer_config, softcap_logits
+from heads.common import (FrozenProjection, cache_argument, draft_layer_classes, draft_layer_config, output_vocab_size,
+                          softcap_logits)
+from heads.layouts import (PICKLE, SAFETENSORS, Layout, check_layer_settings, draft_layer_json, drop_embedding,
+                           first_file, load_into, load_weights, mismatches, refuse_target_style, state_of, weight_keys)
 
 
 class FeatureHead(DraftHead):
     """What the EAGLE family shares: rows of (token, feature), the target's embedding, its own rotary embedding and
     KV cache of ``cache_layers`` layers. Subclasses define ``hidden_states`` and ``logits``."""
+
+    has_draft_layers = True
 
     def __init__(self, config, target_config, num_layers: int):
         super().__init__(config, target_config)
@@ -78,7 +84,8 @@ class FeatureHead(DraftHead):
     def hidden_states(self, input_ids: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor,
                       attention_mask: torch.Tensor | None = None, cache=None, **attention_kwargs) -> torch.Tensor:
         """input_ids [B, T], features [B, T, F] -> hidden [B, T, H]. ``attention_kwargs`` go to the attention
-        function (the runtime's tree attention takes ``ragged``: rows packed into one sequence, ``runtime.ragged``)."""
+        function (the runtime's tree attention takes ``ragged``: rows packed into one sequence,
+        ``runtime.engine.ragged``)."""
         raise NotImplementedError
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -109,6 +116,33 @@ class EagleHead(FeatureHead):
     head_type = "eagle"
     config_class = EagleConfig
     legacy_config_keys = ("feature_layers", "draft_vocab_size")  # from the config EAGLE-1 once shared with EAGLE-3
+
+    @classmethod
+    def export_refusal(cls, head_config: dict, target_layers: int | None, fmt: str) -> str | None:
+        if fmt == "vllm" and head_config.get("fc_bias", True):
+            return ("vLLM's EAGLE-1 drafter has no bias on fc and this head was trained with one (fc_bias), which "
+                    "vLLM would not load; serve it with SGLang (--format sglang) or the EAGLE authors' code "
+                    "(--format reference)")
+        return None
+
+    def export_files(self, fmt: str, base_model: str | None = None) -> dict:
+        """SGLang ``LlamaForCausalLMEagle`` (``fc`` with bias, ``layers.{i}.*``); vLLM ``LlamaForCausalLM``, which it
+        prefixes to its registered ``EagleLlamaForCausalLM`` (fc without bias); the authors' code (config.json +
+        pickle, with the embedding and ``bias``, which their strict loader needs)."""
+        state = state_of(self)
+        if "fc.bias" not in state and fmt != "vllm":  # SGLang's and the reference fc have a bias: a zero one is exact
+            state["fc.bias"] = torch.zeros(self.hidden_size, dtype=state["fc.weight"].dtype)
+        if fmt == "vllm":
+            bias = state.pop("fc.bias", None)
+            if bias is not None and bool(bias.any()):
+                raise ValueError(self.export_refusal({"fc_bias": True}, None, "vllm"))
+            return {"config.json": draft_layer_json(self, architectures=["LlamaForCausalLM"]), SAFETENSORS: state}
+        if fmt == "sglang":
+            return {"config.json": draft_layer_json(self, architectures=["LlamaForCausalLMEagle"]),
+                    SAFETENSORS: state}
+        state["embed_tokens.weight"] = self.embed_weight.detach().contiguous().cpu().clone()
+        config = draft_layer_json(self, architectures=["LlamaForCausalLM"], bias=True)
+        return {"config.json": config, PICKLE: state}
 
     def __init__(self, config: EagleConfig, target_config):
         super().__init__(config, target_config, config.num_layers)
@@ -145,3 +179,38 @@ class EagleHead(FeatureHead):
             raise RuntimeError("this EAGLE head has no target LM head attached; load it with load_head(dir, "
                                "target_model)")
         return softcap_logits(self.target_lm_head(hidden), self.softcap)
+
+
+# ----- published layouts import reads (heads/formats.py: load_any_head)
+
+def _import_eagle(directory: Path, config: dict, target_config) -> EagleHead:
+    check_layer_settings(config, target_config, directory, "EAGLE-1")
+    weights = first_file(directory, (SAFETENSORS, PICKLE))
+    state = load_weights(weights)
+    drop_embedding(state, target_config, weights)
+    refuse_target_style(state, weights)
+    vocab = output_vocab_size(target_config)
+    problems = mismatches([("vocab_size", config.get("vocab_size"), vocab)])
+    if problems:
+        raise ValueError(f"the EAGLE-1 head at {directory} does not fit this target: " + "; ".join(problems))
+    indices = {int(key.split(".")[1]) for key in state if key.startswith("layers.") and key.split(".")[1].isdigit()}
+    if not indices:
+        raise ValueError(f"{weights} holds no draft layer (layers.0.*)")
+    head = EagleHead(EagleConfig(num_layers=max(indices) + 1, fc_bias="fc.bias" in state), target_config)
+    load_into(head, state, weights, "EAGLE-1")
+    return head
+
+
+def _is_eagle(directory: Path, config: dict | None) -> bool:
+    weights = first_file(directory, (SAFETENSORS, PICKLE))
+    if config is None or weights is None:
+        return False
+    keys = weight_keys(weights)
+    return "fc.weight" in keys and any(key.startswith("layers.") for key in keys)
+
+
+LAYOUTS = (
+    Layout("eagle", "eagle", "EAGLE-1 (the EAGLE authors, our exports): config.json + model.safetensors or "
+           "pytorch_model.bin holding fc.weight [H, 2H] and layers.{i}.*", 40, _is_eagle,
+           lambda directory, config, target: _import_eagle(directory, config, getattr(target, "config", target))),
+)

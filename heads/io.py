@@ -1,12 +1,10 @@
-"""Head checkpoints (a directory: ``config.json`` + ``model.safetensors``) and export for serving engines (the
-layouts, and import of published heads: heads/formats.py).
+"""Head checkpoints: a directory of ``config.json`` + ``model.safetensors`` (export for serving engines:
+heads/export.py; the layouts, and import of published heads: heads/formats.py).
 
 Our format records the head's architecture and the target it was trained for (identity, model type, hidden size,
 vocabulary, layer count, tokenizer fingerprint); loading compares all of it with the target at hand and names every
 mismatch. Frozen target weights (embedding, shared LM heads) are never saved: they are attached from the target.
-Writes are atomic: a temporary sibling directory is filled and then swapped in with ``os.replace``. An export
-carries a marker file (``headstart_export.json``), and exporting replaces only an empty directory or an earlier
-export unless forced: an output path that names a run directory must not wipe the run.
+Writes are atomic: a temporary sibling directory is filled and then swapped in with ``os.replace``.
 """
 
 from __future__ import annotations
@@ -33,8 +31,6 @@ FORMAT = "headstart-head"
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-EXPORT_MARKER = "headstart_export.json"  # in every export: what may be replaced without force
-EXPORT_FORMAT = "headstart-export"
 # Set on the config of a target exported with a Medusa-2 head's LoRA adapters merged in: the adapters' fingerprint.
 # HF configs keep unknown attributes through save_pretrained / from_pretrained, so it travels with the weights.
 MERGED_ADAPTERS_KEY = "headstart_merged_adapters"
@@ -47,7 +43,7 @@ TREE_INTEGERS = {"depth": "the draft depth", "top_k": "the branching per tree le
                  "tokens": "the verified tree size, as older versions call it"}
 
 
-def _check_head(head: nn.Module) -> DraftHead:
+def checked_head(head: nn.Module) -> DraftHead:
     if not isinstance(head, DraftHead):
         raise TypeError(f"not a draft head: {type(head).__name__}")
     return head
@@ -92,9 +88,9 @@ def save_head(head: nn.Module, directory: str | os.PathLike, target: dict, *, tr
     config = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "head_type": _check_head(head).head_type,
+        "head_type": checked_head(head).head_type,
         "head_config": asdict(head.config),
-        **({"draft_layer": DRAFT_LAYER} if head.head_type in ("eagle", "eagle3") else {}),
+        **({"draft_layer": DRAFT_LAYER} if head.has_draft_layers else {}),
         "target": target,
         "tree": tree or {},
         "training": training or {},
@@ -238,7 +234,7 @@ def check_draft_layer(saved: dict, directory: Path) -> None:
     its weights would load into a Llama-style layer that computes something else, or not load at all."""
     family = saved["target"].get("model_type")
     style = saved.get("draft_layer")
-    if saved["head_type"] not in ("eagle", "eagle3") or style == DRAFT_LAYER or (
+    if not head_class(saved["head_type"]).has_draft_layers or style == DRAFT_LAYER or (
             style is None and family in LLAMA_LAYER_FAMILIES):
         return
     raise ValueError(f"{directory / CONFIG_NAME}: this {saved['head_type']} head was saved by an earlier version with "
@@ -249,14 +245,15 @@ def check_draft_layer(saved: dict, directory: Path) -> None:
 
 def load_head(directory: str | os.PathLike, target_model_or_config, *, identity: str | None = None,
               tokenizer=None, device: str | torch.device | None = None,
-              dtype: torch.dtype | None = None) -> nn.Module:
+              dtype: torch.dtype | None = None, config: dict | None = None) -> nn.Module:
     """Load a head for a target (a transformers model: frozen weights get attached; or a config: checked only).
+    ``config``: the directory's ``read_head_config``, where the caller has read it already.
 
     Raises ValueError when the target differs from the one the head was trained for (hidden size, vocabulary,
     layer count, feature layers, tokenizer fingerprint when ``tokenizer`` is given).
     """
     directory = Path(directory)
-    saved = read_head_config(directory)
+    saved = config if config is not None else read_head_config(directory)
     head_type = saved["head_type"]
     head_config = saved["head_config"]
     actual = target_signature(target_model_or_config, identity, tokenizer)
@@ -278,77 +275,3 @@ def load_head(directory: str | os.PathLike, target_model_or_config, *, identity:
     if device is not None or dtype is not None:
         head.to(device=device, dtype=dtype)
     return head.eval()
-
-
-# ----- export for serving engines (the layouts: heads/formats.py)
-
-def default_export_format(head_type: str) -> str:
-    """The layout an export gets unless one is asked for: SGLang's for EAGLE heads, vLLM's for Medusa (SGLang has
-    no Medusa)."""
-    return "vllm" if head_type == "medusa" else "sglang"
-
-
-def export_destination_problem(directory: str | os.PathLike) -> str | None:
-    """Why exporting to ``directory`` would destroy something (a description), or None: it is missing, an empty
-    directory, or an earlier export (it holds ``EXPORT_MARKER``)."""
-    directory = Path(directory)
-    if not directory.exists() and not directory.is_symlink():
-        return None
-    if not directory.is_dir():
-        return f"{directory} exists and is not a directory"
-    if (directory / EXPORT_MARKER).is_file() or not any(directory.iterdir()):
-        return None
-    return f"{directory} exists and is not an earlier export (no {EXPORT_MARKER}); exporting there would delete it"
-
-
-def write_export(directory: str | os.PathLike, fill: Callable[[Path], None], kind: str, *,
-                 force: bool = False, layout: str | None = None) -> Path:
-    """``atomic_directory`` for an export of ``kind`` (``head``, ``merged-target``): refuses to replace what
-    ``export_destination_problem`` describes unless ``force``, and marks the new directory as an export."""
-    problem = None if force else export_destination_problem(directory)
-    if problem:
-        raise FileExistsError(f"{problem}. Export to a new or empty directory, or pass force=True to replace it")
-
-    def marked(tmp: Path) -> None:
-        fill(tmp)
-        _write_json(tmp / EXPORT_MARKER, {"format": EXPORT_FORMAT, "kind": kind, **({"layout": layout} if layout
-                                                                                      else {})})
-
-    return atomic_directory(directory, marked)
-
-
-def export_head(head: nn.Module, out_dir: str | os.PathLike, dtype: torch.dtype | None = None, *,
-                force: bool = False, fmt: str | None = None, base_model: str | None = None) -> Path:
-    """Write ``head`` for one reader to ``out_dir`` atomically: ``fmt`` is ``sglang``, ``vllm`` or ``reference``
-    (``heads.formats``; None: ``default_export_format``). A format that cannot carry the head raises ValueError
-    saying which can. ``out_dir`` must be missing, empty or an earlier export, unless ``force`` (``write_export``)."""
-    from heads.formats import export_files, write_files
-
-    fmt = fmt or default_export_format(_check_head(head).head_type)
-    files = export_files(head, fmt, base_model=base_model)
-    return write_export(out_dir, lambda tmp: write_files(tmp, files, dtype), "head", force=force, layout=fmt)
-
-
-def export_all(head: nn.Module, out_dir: str | os.PathLike, dtype: torch.dtype | None = None, *,
-               force: bool = False, base_model: str | None = None) -> dict[str, str]:
-    """One export per format that can carry ``head``, in ``out_dir/<format>`` (itself an export: replaced only when
-    missing, empty or an earlier export, unless ``force``). Returns {format: directory, or why it was skipped}."""
-    from heads.formats import EXPORT_FORMATS, export_files, export_refusal, write_files
-
-    done, files = {}, {}
-    for fmt in EXPORT_FORMATS:
-        problem = export_refusal(head.head_type, asdict(head.config), int(head.target_config.num_hidden_layers), fmt)
-        if problem:
-            done[fmt] = f"skipped: {problem}"
-        else:
-            files[fmt] = export_files(head, fmt, base_model=base_model)
-            done[fmt] = str(Path(out_dir) / fmt)
-
-    def fill(tmp: Path) -> None:
-        for fmt, content in files.items():
-            (tmp / fmt).mkdir()
-            write_files(tmp / fmt, content, dtype)
-            _write_json(tmp / fmt / EXPORT_MARKER, {"format": EXPORT_FORMAT, "kind": "head", "layout": fmt})
-
-    write_export(out_dir, fill, "head-formats", force=force)
-    return done

@@ -1,16 +1,22 @@
-"""Every head type by name: the one list that training, the runtime, export and config validation read.
+"""Every head type by name, and every published layout import reads: the lists training, the runtime, export and
+config validation read.
 
-A new head type is a ``heads.base.DraftHead`` subclass listed here (plus its training config, conf/head/NAME.yaml).
+A new head type is a ``heads.base.DraftHead`` subclass in heads/<type>.py (its module, export layouts and imported
+layouts) listed here, plus its parts in the other layers' registries: its objective (training/objectives/), its
+proposer (runtime/proposers/) and its training config (conf/head/NAME.yaml).
 """
 
 from __future__ import annotations
 
+from heads import eagle, eagle3, medusa
 from heads.base import DraftHead
-from heads.eagle import EagleHead
-from heads.eagle3 import Eagle3Head
-from heads.medusa import MedusaHeads
+from heads.layouts import Layout
 
-HEAD_TYPES: dict[str, type[DraftHead]] = {cls.head_type: cls for cls in (EagleHead, Eagle3Head, MedusaHeads)}
+HEAD_TYPES: dict[str, type[DraftHead]] = {cls.head_type: cls for cls in (eagle.EagleHead, eagle3.Eagle3Head,
+                                                                          medusa.MedusaHeads)}
+# The published layouts import detects, in the order it tries them (heads/formats.py: detect_layout).
+LAYOUTS: tuple[Layout, ...] = tuple(sorted((*eagle.LAYOUTS, *eagle3.LAYOUTS, *medusa.LAYOUTS),
+                                           key=lambda layout: layout.order))
 
 
 def head_class(head_type: str) -> type[DraftHead]:

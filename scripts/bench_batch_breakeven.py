@@ -3,10 +3,11 @@
     python scripts/bench_batch_breakeven.py --batch-size 16 --methods ngram,eagle3 --tree-sizes 2,4
 
 One target pass at N rows with one token per row and with two (after 256 cached tokens, median of a few) gives the
-cost of one more node per row as a fraction of a plain decoding token (``runtime.cost_model.break_even_acceptance``):
-a node must be accepted at least that often to pay for its own verification, before its drafting costs anything.
+cost of one more node per row as a fraction of a plain decoding token
+(``runtime.target.cost_model.break_even_acceptance``): a node must be accepted at least that often to pay for its
+own verification, before its drafting costs anything.
 Then each method decodes MT-bench first turns (every 5th) at N rows with each fixed tree size, and the run's pooled
-acceptance by depth (``runtime.cost_model.pooled_depth_acceptance``: P(accepted >= k | a node at depth k was
+acceptance by depth (``runtime.target.cost_model.pooled_depth_acceptance``: P(accepted >= k | a node at depth k was
 drafted), and how many passes drafted at all) shows which depths clear it. Greedy; acceptance does not depend on
 the machine's speed, the pass costs do: run it with nothing else on the machine.
 """
@@ -17,16 +18,16 @@ import argparse
 import json
 import sys
 
-import torch
 
-from runtime.batched import BatchedDecoder
-from runtime.benchmark import machine_description
-from runtime.cost_model import break_even_acceptance, measure_pass_seconds, pooled_depth_acceptance
-from runtime.prompts import encode_prompt, read_prompts
+from bench.prompts import read_prompts
+from bench.timing import environment_line, run_environment
+from runtime.engine.batched import BatchedDecoder
+from runtime.engine.prompts import encode_prompt
 from runtime.proposers import build_proposer
-from runtime.target import load_target
+from runtime.target.cost_model import break_even_acceptance, measure_pass_seconds, pooled_depth_acceptance
+from runtime.target.model import load_target
 
-from cli import (check_head_directories, check_output_path, parse_proposer, positive_int,  # scripts/cli.py
+from cli.args import (check_head_directories, check_output_path, parse_proposer, positive_int,
                  positive_int_list)
 
 
@@ -46,11 +47,11 @@ def main(argv=None) -> int:
     check_head_directories(specs.values())
     target = load_target(args.target, dtype=args.dtype, quiet=True)
     prompts = [encode_prompt(target.tokenizer, record["prompt"]) for record in read_prompts()[::5][:args.prompts]]
-    machine = machine_description(target.device)
+    environment = run_environment(target.device)
     rows = args.batch_size
     seconds = measure_pass_seconds(target, sizes=(1, 2), batch_size=rows)
     needed = break_even_acceptance(seconds)
-    print(f"{machine['cpu']} ({', '.join(machine['cpu_flags'])}), {torch.get_num_threads()} threads, {args.dtype}, "
+    print(f"{environment_line(environment)}, {args.dtype}, "
           f"{rows} rows: a pass {seconds[1] * 1000:.1f} ms with one token per row, {seconds[2] * 1000:.1f} ms with "
           f"two; a draft node pays for its verification when accepted at least {needed:.2f} of the time")
     print("| method | tree size | passes drafting | P(accepted >= k), k = 1.. | depths that pay |\n"
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
             print(f"| {name} | {size} | {drafting:.2f} | {', '.join(f'{rate:.2f}' for rate in acceptance)} | "
                   f"{', '.join(map(str, paying)) or 'none'} |")
     if args.output:
-        results = {"machine": machine, "threads": torch.get_num_threads(), "dtype": args.dtype, "rows": rows,
+        results = {**environment, "dtype": args.dtype, "rows": rows,
                    "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                    "pass_seconds": {str(k): v for k, v in seconds.items()}, "break_even_acceptance": needed,
                    "methods": found}

@@ -20,15 +20,15 @@ import statistics
 import sys
 import time
 
-import torch
 
-from runtime.batched import BatchedDecoder
-from runtime.benchmark import machine_description
-from runtime.prompts import encode_prompt, read_prompts
+from bench.prompts import read_prompts
+from bench.timing import environment_line, run_environment
+from runtime.engine.batched import BatchedDecoder
+from runtime.engine.prompts import encode_prompt
 from runtime.proposers import build_proposer
-from runtime.target import load_target
+from runtime.target.model import load_target
 
-from cli import check_head_directories, parse_proposer, positive_int  # scripts/cli.py
+from cli.args import check_head_directories, parse_proposer, positive_int
 
 
 # --compare: two settings of BatchedDecoder, by label
@@ -53,8 +53,7 @@ def main(argv=None) -> int:
     target = load_target(args.target, dtype=args.dtype, quiet=True)
     prompts = [encode_prompt(target.tokenizer, record["prompt"])
                for record in read_prompts()[::args.stride][:args.prompts]]
-    machine = machine_description(target.device)
-    print(f"{machine['cpu']} ({', '.join(machine['cpu_flags'])}), {torch.get_num_threads()} threads, {args.dtype}, "
+    print(f"{environment_line(run_environment(target.device))}, {args.dtype}, "
           f"{len(prompts)} prompts at {args.batch_size} rows, {args.max_new_tokens} new tokens")
     (first, first_settings), (second, second_settings) = SETTINGS[args.compare].items()
     print(f"| method | {first} tok/s (tau) | {second} tok/s (tau) | {first} / {second} | same outputs |\n"

@@ -2,41 +2,38 @@
 
     python scripts/bench_bf16_rows.py --rows 1 2 4 8
 
-The layers have SmolLM2-135M's shapes (30 decoder layers of 7 linears, then the 49152 x 576 LM head), each with its
-own random bf16 weights, so that the 270 MB stream from memory as in a real pass rather than from cache. Reports the
-median milliseconds of --repeats passes per row count: PyTorch (``F.linear``), the AVX2 row kernel (runtime.kernels,
-what ``runtime.decode_layers.decode_linear`` uses for 2-16 bf16 rows on CPUs without AVX512-BF16) and, on CPUs with
-AVX512-BF16, the dot-product kernels: over the weights as they are (``bf16_dot_linear``) and over a packed copy
-(``bf16_packed_linear``), on CPUs with AMX the tile kernel over the same packed copy (``bf16_amx_linear``), and
-where oneDNN takes bf16, oneDNN over a copy reordered once (``onednn_bf16_linear``; AMX tiles where the CPU has
-them). The runtime picks among the packed products per weight shape and row count by timing
-them on the machine at hand (runtime.linear_plan). Run it with nothing else on the machine.
+The layers have SmolLM2-135M's shapes (30 decoder layers of 7 linears, then the 49152 x 576 LM head), each with its own
+random bf16 weights, so that the 270 MB stream from memory as in a real pass rather than from cache. Reports the median
+milliseconds of --repeats passes per row count: PyTorch (``F.linear``), the AVX2 row kernel (runtime.target.kernels,
+what ``runtime.target.decode_layers.decode_linear`` uses for 2-16 bf16 rows on CPUs without AVX512-BF16) and, on CPUs
+with AVX512-BF16, the dot-product kernels: over the weights as they are (``bf16_dot_linear``) and over a packed copy
+(``bf16_packed_linear``), on CPUs with AMX the tile kernel over the same packed copy (``bf16_amx_linear``), and where
+oneDNN takes bf16, oneDNN over a copy reordered once (``onednn_bf16_linear``; AMX tiles where the CPU has them). The
+runtime picks among the packed products per weight shape and row count by timing them on the machine at hand
+(runtime.target.linear_plan). Run it with nothing else on the machine.
 
-    git show HEAD~1:runtime/kernels/bf16_dot_rows.cpp > earlier_dot_rows.cpp
+    git show HEAD~1:runtime/target/kernels/bf16_dot_rows.cpp > earlier_dot_rows.cpp
     python scripts/bench_bf16_rows.py --rows 1 8 16 --dot-baseline earlier_dot_rows.cpp
 
 --dot-baseline, --packed-baseline (--rows-baseline) build another version of an AVX512-BF16 kernel's (the AVX2 row
-kernel's) source
-and times it beside the current one, alternating pass by pass in one process (the only fair comparison on a
-machine whose speed drifts), after checking whether both give the same outputs.
+kernel's) source and times it beside the current one, alternating pass by pass in one process (the only fair
+comparison on a machine whose speed drifts), after checking whether both give the same outputs.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from runtime.kernels import (DOT_KERNEL_FLAGS, ROW_KERNEL_FLAGS, bf16_amx_linear, bf16_dot_linear,
-                             bf16_packed_linear, bf16_rows_linear, bf16_rows_matmul, build_source, onednn_bf16_linear,
-                             pack_bf16_weight, pack_onednn_weight)
-
-from bench_vocab_projection import median_ms  # scripts/bench_vocab_projection.py
+from bench.timing import median_ms, median_of_ms
+from runtime.target.kernels import (DOT_KERNEL_FLAGS, ROW_KERNEL_FLAGS, bf16_amx_linear, bf16_dot_linear,
+                                    bf16_packed_linear, bf16_rows_linear, bf16_rows_matmul, build_source,
+                                    onednn_bf16_linear, pack_bf16_weight, pack_onednn_weight)
 
 # q, k, v, o, gate, up, down of one decoder layer: [out, in]
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
@@ -50,11 +47,13 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--dot-baseline", metavar="SOURCE",
-                        help="another version of runtime/kernels/bf16_dot_rows.cpp to time beside the current one")
+                        help="another version of runtime/target/kernels/bf16_dot_rows.cpp to time beside the "
+                             "current one")
     parser.add_argument("--packed-baseline", metavar="SOURCE",
-                        help="another version of runtime/kernels/bf16_packed_rows.cpp to time beside the current one")
+                        help="another version of runtime/target/kernels/bf16_packed_rows.cpp to time beside the "
+                             "current one")
     parser.add_argument("--rows-baseline", metavar="SOURCE",
-                        help="another version of runtime/kernels/bf16_rows.cpp to time beside the current one")
+                        help="another version of runtime/target/kernels/bf16_rows.cpp to time beside the current one")
     args = parser.parse_args(argv)
     kernel = bf16_rows_matmul()
     if kernel is None:
@@ -145,7 +144,7 @@ def compare_kernels(current, source: str, function: str, flags: tuple[str, ...],
                     kernel(inputs[w.shape[1]], w, None)
                 if repeat:
                     times[label].append(time.perf_counter() - started)
-        before, after = (statistics.median(times[label]) * 1000 for label in ("baseline", "current"))
+        before, after = (median_of_ms(times[label]) for label in ("baseline", "current"))
         print(f"| {rows} | {before:.1f} | {after:.1f} | {before / after:.2f} |")
 
 

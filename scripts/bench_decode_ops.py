@@ -6,10 +6,10 @@ Attention: SmolLM2-135M's heads (9 query heads, 3 KV heads, head size 64) over `
 the new rows, keys and values as views of a longer cache buffer and a tree mask, as a verification pass has them,
 for ``--batch`` rows of a batch (a batched decode step: every row its own cache);
 PyTorch's SDPA (what the attention module runs otherwise, with the transpose to [B, T, H, D] after it) against
-``runtime.kernels.decode_attention`` (and, where that is the AVX512-BF16 build, its AVX2 build beside it).
-RMSNorm: transformers' LlamaRMSNorm over the rows against ``runtime.kernels.rms_norm_rows``. A pass runs 30
+``runtime.target.kernels.decode_attention`` (and, where that is the AVX512-BF16 build, its AVX2 build beside it).
+RMSNorm: transformers' LlamaRMSNorm over the rows against ``runtime.target.kernels.rms_norm_rows``. A pass runs 30
 attention calls and 61 norms. The greedy token: ``argmax`` over the pass's bf16 logits (49152-token vocabulary,
---batch x rows of them) against ``runtime.sampling.greedy_tokens`` (an exact fp32 conversion, then the argmax by
+--batch x rows of them) against ``runtime.engine.sampling.greedy_tokens`` (an exact fp32 conversion, then the argmax by
 chunk maxima), once a pass. Reports median microseconds over --repeats calls, interleaved. Run it with nothing else
 on the machine.
 """
@@ -23,10 +23,9 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from runtime.kernels import decode_attention, decode_attention_avx2, rms_norm_rows
-from runtime.sampling import greedy_tokens
-
-from bench_vocab_projection import median_ms  # scripts/bench_vocab_projection.py
+from bench.timing import median_ms
+from runtime.engine.sampling import greedy_tokens
+from runtime.target.kernels import decode_attention, decode_attention_avx2, rms_norm_rows
 
 HEADS, KV_HEADS, HEAD_SIZE, HIDDEN, VOCAB = 9, 3, 64, 576, 49152
 

@@ -18,9 +18,8 @@ import sys
 
 import torch
 
-from runtime.kv_cache import KVCache
-
-from bench_vocab_projection import median_ms  # scripts/bench_vocab_projection.py
+from bench.timing import median_ms
+from runtime.engine.kv_cache import KVCache
 
 LAYERS, KV_HEADS, HEAD_SIZE = 30, 3, 64
 

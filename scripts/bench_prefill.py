@@ -1,12 +1,12 @@
 """Time the batched decoder's first prefill: the first --rows MT-bench first turns in one pass padded to the longest,
-against the passes of similar length ``runtime.cost_model.prefill_groups`` splits them into (what
-``runtime.batched.BatchedDecoder`` does), in one process.
+against the passes of similar length ``runtime.target.cost_model.prefill_groups`` splits them into (what
+``runtime.engine.batched.BatchedDecoder`` does), in one process.
 
     python scripts/bench_prefill.py --rows 16 --stride 5
 
 Prompts are every --stride-th MT-bench first turn through the target's chat template; the split uses this machine's
-cost curve (``runtime.cost_model.pass_overhead_tokens``). Reports the prompts' lengths, the groups, and the median
-milliseconds of --repeats prefills each way. Run it with nothing else on the machine.
+cost curve (``runtime.target.cost_model.pass_overhead_tokens``). Reports the prompts' lengths, the groups, and the
+median milliseconds of --repeats prefills each way. Run it with nothing else on the machine.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import sys
 
 import torch
 
-from runtime.batched import prefill_inputs
-from runtime.benchmark import machine_description
-from runtime.cost_model import cost_curve, pass_overhead_tokens, prefill_groups
-from runtime.prompts import encode_prompt, read_prompts
-from runtime.target import DEFAULT_TARGET, load_target
+from bench.prompts import read_prompts
+from bench.timing import median_ms, run_environment
+from runtime.engine.batched import prefill_inputs
+from runtime.engine.prompts import encode_prompt
+from runtime.target.cost_model import cost_curve, pass_overhead_tokens, prefill_groups
+from runtime.target.model import DEFAULT_TARGET, load_target
 
-from bench_vocab_projection import median_ms  # scripts/bench_vocab_projection.py
-from cli import check_output_path, positive_int  # scripts/cli.py
+from cli.args import check_output_path, positive_int
 
 
 def prefill(target, prompts: list[torch.Tensor]) -> None:
@@ -53,8 +53,8 @@ def main(argv=None) -> int:
     groups = prefill_groups(lengths, overhead)
     padded = median_ms(lambda: prefill(target, prompts), args.repeats)
     grouped = median_ms(lambda: [prefill(target, [prompts[i] for i in group]) for group in groups], args.repeats)
-    result = {"machine": machine_description(target.device), "threads": torch.get_num_threads(), "dtype": args.dtype,
-              "lengths": lengths, "overhead_tokens": overhead, "groups": [[lengths[i] for i in g] for g in groups],
+    result = {**run_environment(target.device), "dtype": args.dtype, "lengths": lengths, "overhead_tokens": overhead,
+              "groups": [[lengths[i] for i in g] for g in groups],
               "padded_tokens": len(prompts) * max(lengths), "real_tokens": sum(lengths),
               "padded_ms": padded, "grouped_ms": grouped}
     print(f"{len(prompts)} prompts, {sum(lengths)} tokens ({len(prompts) * max(lengths)} padded to the longest); "

@@ -20,22 +20,22 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
+from bench.hf import run_hf_batches
+from bench.timing import run_environment
 from heads.eagle3 import default_feature_layers
-from runtime.batched import BatchedDecoder
-from runtime.assets import write_json_atomically
-from runtime.benchmark import machine_description, run_hf_batch
-from runtime.prompts import batch_pad_token_id
+from runtime.engine.batched import BatchedDecoder
+from runtime.engine.prompts import batch_pad_token_id
 from runtime.proposers import build_proposer
 from runtime.proposers.base import NoProposer
-from runtime.target import load_target
+from runtime.target.assets import write_json_atomically
+from runtime.target.model import load_target
 from training.config import compose_config
 from training.data import collect_conversations, resolve_template
 from training.selfdistill import prompt_ids
 
-from cli import check_output_path, parse_proposer, positive_int, usage_error  # scripts/cli.py
+from cli.args import check_output_path, parse_proposer, positive_int, usage_error
 
 HF = "hf-greedy"
 RECORD = "+record"
@@ -85,10 +85,7 @@ def main(argv=None) -> int:
     def run(name, rows):
         started = time.perf_counter()
         if name == HF:
-            outputs = []
-            for start in range(0, len(rows), args.batch_size):
-                outputs += run_hf_batch(target.model, rows[start:start + args.batch_size], args.max_new_tokens, eos,
-                                        pad)[0]
+            outputs = run_hf_batches(target.model, rows, args.max_new_tokens, eos, pad, args.batch_size)[0]
         else:
             outputs = [r.tokens for r in decoders[name].generate(rows, args.max_new_tokens,
                                                                   batch_size=args.batch_size)]
@@ -118,8 +115,7 @@ def main(argv=None) -> int:
                for name in names}
     results = {"methods": summary, "config": {
         "target": conf.target.name, "dtype": args.dtype, "data": conf.data.source, "prompts": len(prompts),
-        "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "machine": machine_description(target.device)}}
+        "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, **run_environment(target.device)}}
     write_json_atomically(Path(args.output), results)
     print("| method | tokens/s | vs HF generate | replies equal to plain decoding |\n|---|---:|---:|---:|")
     for name, row in summary.items():

@@ -19,9 +19,10 @@ import sys
 
 import torch
 
-from runtime.benchmark import machine_description, median_ms
-from runtime.prompts import encode_prompt, read_prompts
-from runtime.target import load_target
+from bench.prompts import read_prompts
+from bench.timing import median_ms, run_environment
+from runtime.engine.prompts import encode_prompt
+from runtime.target.model import load_target
 from training.objectives import TargetDistribution, VocabScreen
 from training.vocab_argmax import bf16_screening_pays
 
@@ -66,8 +67,7 @@ def main(argv=None) -> int:
                      "same_greedy": same})
         print(f"| {vocab} | {full:.0f} | {fast:.0f} | {full / fast:.2f} | {same:.4f} |")
     if args.output:
-        results = {"machine": machine_description(hidden.device), "threads": torch.get_num_threads(),
-                   "positions": count, "target": args.target, "rows": rows}
+        results = {**run_environment(hidden.device), "positions": count, "target": args.target, "rows": rows}
         with open(args.output, "w", encoding="utf-8") as handle:
             json.dump(results, handle, indent=1)
     return 0

@@ -5,7 +5,7 @@
     python scripts/bench_verify_pass.py --compile --freezing  # adds inductor-compiled passes (minutes per shape)
 
 The eager rows are the runtime's own pass (Target.forward with its KV cache), with the decode layers
-(runtime.decode_layers: decode_linear, the decode norms) and with the stock layers; both attend through the
+(runtime.target.decode_layers: decode_linear, the decode norms) and with the stock layers; both attend through the
 runtime's backend (in bf16 on CPU the decode attention kernel); ratios are to the runtime's T = 1. The compiled rows run
 the stock model (its own attention and layers, as outside the runtime's passes) through torch.compile with static
 shapes: a cache that writes into a fixed buffer with ``index_copy_`` and a mask over the whole buffer, so no Python
@@ -17,15 +17,15 @@ which the weights were read. Run it with nothing else on the machine.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
 import torch
 
+from bench.timing import median_of_ms
 from heads.common import cache_argument
-from runtime.target import DEFAULT_TARGET, load_target, target_from_model
-from runtime.tree import Tree, verification_mask
+from runtime.engine.tree import Tree, verification_mask
+from runtime.target.model import DEFAULT_TARGET, load_target, target_from_model
 
 
 class StaticBufferCache:
@@ -47,10 +47,6 @@ class StaticBufferCache:
 
     def __len__(self) -> int:
         return self.kv.shape[0]
-
-
-def median_ms(times: list[float]) -> float:
-    return statistics.median(times) * 1000
 
 
 @torch.inference_mode()
@@ -129,10 +125,10 @@ def main(argv=None) -> int:
     for _ in range(3):  # interleaved rounds, so that a slow spell of the machine hits both alike
         for (label, size), times in eager.items():
             times += eager_times(stock if "stock" in label else target, args.context, size, args.repeats)
-    base = median_ms(eager[("eager", args.sizes[0])])
+    base = median_of_ms(eager[("eager", args.sizes[0])])
     for (label, size), times in eager.items():
-        print(f"| {label} | {size} | {median_ms(times):.1f} | {min(times) * 1000:.1f} | "
-              f"{median_ms(times) / base:.2f} | |")
+        print(f"| {label} | {size} | {median_of_ms(times):.1f} | {min(times) * 1000:.1f} | "
+              f"{median_of_ms(times) / base:.2f} | |")
     if args.compile:
         import torch._inductor.config as inductor_config
 
@@ -147,8 +143,8 @@ def main(argv=None) -> int:
         label = "compiled+freezing" if args.freezing else "compiled"
         for size in args.sizes:
             first, times = compiled_times(target, compiled, args.buffer, args.context, size, args.repeats)
-            print(f"| {label} | {size} | {median_ms(times):.1f} | {min(times) * 1000:.1f} | "
-                  f"{median_ms(times) / base:.2f} | {first:.0f} |")
+            print(f"| {label} | {size} | {median_of_ms(times):.1f} | {min(times) * 1000:.1f} | "
+                  f"{median_of_ms(times) / base:.2f} | {first:.0f} |")
     matmul_ms, total_ms = profile_step(target, args.context)
     weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
     embedding = target.model.get_input_embeddings().weight

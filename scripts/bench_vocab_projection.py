@@ -1,10 +1,10 @@
-"""Time the decode-sized LM-head product: F.linear against runtime.decode_layers.decode_linear, in one process.
+"""Time the decode-sized LM-head product: F.linear against runtime.target.decode_layers.decode_linear, in one process.
 
     python scripts/bench_vocab_projection.py --vocab 49152 8192 --hidden 576 --rows 1 2 4 8 16 32
 
 Reports the median of --repeats runs per row count and the ratio (above 1: decode_linear is faster). With
 scripts/bench_verify_pass.py (whole passes, stock against decode linears) it decides
-runtime.decode_layers.WEIGHT_MAJOR_MAX_ROWS on a new machine. Run it with nothing else on the machine.
+runtime.target.decode_layers.WEIGHT_MAJOR_MAX_ROWS on a new machine. Run it with nothing else on the machine.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import sys
 
 import torch
 
-from runtime.benchmark import median_ms
-from runtime.decode_layers import decode_linear
+from bench.timing import median_ms
+from runtime.target.decode_layers import decode_linear
 
 
 @torch.inference_mode()

@@ -71,9 +71,9 @@ def main(argv=None) -> int:
 
     from heads.common import draft_rope_parameters
     from heads.formats import load_any_head
-    from heads.io import export_head
+    from heads.export import export_head
     from runtime.proposers import default_head
-    from runtime.target import load_target
+    from runtime.target.model import load_target
 
     target = load_target(args.target, quiet=True)
     head_dir = args.head or default_head("eagle3", target)

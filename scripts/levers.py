@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from runtime.assets import write_json_atomically
-from runtime.benchmark import machine_description
+from runtime.target.assets import write_json_atomically
+from runtime.target.machine import machine_description
 from training.recorded import RecordedStore
 
-from cli import positive_int, usage_error  # scripts/cli.py
+from cli.args import positive_int, usage_error
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -25,11 +25,10 @@ from pathlib import Path
 
 import torch
 
-from cli import positive_int  # scripts/cli.py
+from heads.export import export_head
+from heads.formats import load_any_head
 
-REFUSED = {"rope_theta": None, "rope_scaling": None, "norm_before_residual": False, "zero_source_first": False,
-           "head": "own", "partial_rotary_factor": 1.0, "attention_bias": None}
-
+from cli.args import positive_int
 
 class HeadstartOrderSource:
     """economize BatchSource yielding exactly the micro-batches our recipe trains on (SampleOrder + collate), with
@@ -94,74 +93,10 @@ def headstart_schedule(run_steps: int, schedule_steps: int, warmup: int, min_rat
 
 
 def export_economize_eagle3(checkpoint: Path, out: Path, target) -> Path:
-    """Write economize's EAGLE-3 technique in the EAGLE-3 vLLM layout that load_any_head reads."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from heads.common import draft_rope_parameters
-
-    meta = json.loads((checkpoint / "economize_config.json").read_text())
-    techniques = [t for t in meta["techniques"] if t["technique"] == "eagle3"]
-    if len(techniques) != 1:
-        found = [t["technique"] for t in meta["techniques"]]
-        raise ValueError(f"{checkpoint}: expected one eagle3 technique, found {found}")
-    config = techniques[0]["config"]
-    odd = {k: config.get(k) for k, v in REFUSED.items() if config.get(k, v) != v}
-    if odd:
-        raise ValueError(f"{checkpoint}: economize EAGLE-3 options our head does not implement: {odd}")
-
-    tc = target.config
-    hidden = int(tc.hidden_size)
-    heads = int(tc.num_attention_heads)
-    geometry = {"intermediate_size": int(tc.intermediate_size), "num_heads": heads,
-                "num_kv_heads": int(getattr(tc, "num_key_value_heads", None) or heads),
-                "head_dim": int(getattr(tc, "head_dim", None) or hidden // heads),
-                "rms_norm_eps": float(tc.rms_norm_eps)}
-    for key, ours in geometry.items():
-        if config.get(key) is not None and config[key] != ours:
-            raise ValueError(f"{checkpoint}: economize {key}={config[key]} differs from the target's {ours}")
-
-    state = {}
-    with safe_open(str(checkpoint / "economize_model.safetensors"), "pt") as handle:
-        for key in handle.keys():
-            if not key.startswith("eagle3."):
-                raise ValueError(f"{checkpoint}: unexpected tensor {key!r} (only the eagle3 technique is converted)")
-            name = key[len("eagle3."):]
-            if name.startswith("layer."):
-                name = "midlayer." + name[len("layer."):]
-            elif name not in ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"):
-                raise ValueError(f"{checkpoint}: unexpected eagle3 tensor {key!r}")
-            state[name] = handle.get_tensor(key).contiguous()
-    state["t2d"] = state["t2d"].to(torch.bool)
-    state["d2t"] = state["d2t"].to(torch.long)
-
-    rope = draft_rope_parameters(tc)  # economize with rope_theta=None uses the target's own rotary table
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    aux = config.get("aux_layers")
-    if aux is None:  # economize's default: (2, L // 2, L - 3) block outputs
-        from economize.techniques.eagle3 import default_aux_layers
-
-        aux = list(default_aux_layers(int(tc.num_hidden_layers)))
-    out_config = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-        "hidden_size": hidden, "intermediate_size": geometry["intermediate_size"],
-        "num_attention_heads": heads, "num_key_value_heads": geometry["num_kv_heads"],
-        "head_dim": geometry["head_dim"], "hidden_act": "silu", "rms_norm_eps": geometry["rms_norm_eps"],
-        "rope_theta": float(rope["rope_theta"]),
-        "rope_scaling": scaling if scaling.get("rope_type", "default") != "default" else None,
-        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-        "vocab_size": int(state["t2d"].shape[0]), "draft_vocab_size": int(state["lm_head.weight"].shape[0]),
-        "eagle_aux_hidden_state_layer_ids": [int(i) for i in aux],  # vLLM's convention == economize's == ours
-        "eagle_config": {"use_aux_hidden_state": True, "use_input_layernorm_in_first_layer": True},
-        "converted_from": {"economize_checkpoint": str(checkpoint), "economize_version": meta.get("economize_version"),
-                           "train": meta.get("train")},
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(out_config, indent=2) + "\n")
-    return out
-
-
+    """economize's checkpoint (read by ``heads.formats.load_any_head``, its ``economize`` layout) written in vLLM's
+    EAGLE-3 layout, which ``scripts/eval_head.py`` and the other engines load."""
+    head, _ = load_any_head(checkpoint, target.model, identity=target.identity, tokenizer=target.tokenizer)
+    return export_head(head, out, fmt="vllm")
 
 
 def main(argv=None) -> int:
@@ -191,7 +126,7 @@ def main(argv=None) -> int:
     from economize.train import fit
     from economize.train.schedule import SCHEDULES
 
-    from runtime.target import DEFAULT_TARGET, load_target
+    from runtime.target.model import DEFAULT_TARGET, load_target
     from training.config import DataConf
     from training.data import build_splits, pad_token_id
     from training.draft_vocab import build_draft_vocab, count_tokens, draft_to_target_ids

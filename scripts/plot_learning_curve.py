@@ -15,7 +15,7 @@ from pathlib import Path
 
 from training.tracking import plot_learning_curves, read_curves
 
-from cli import usage_error  # scripts/cli.py
+from cli.args import usage_error
 
 
 def parse_curve(text: str) -> tuple[str, Path, int]:

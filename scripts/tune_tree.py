@@ -16,13 +16,14 @@ import argparse
 import statistics
 import sys
 
-from runtime.decoder import SpeculativeDecoder
-from runtime.prompts import encode_prompt, read_prompts
+from bench.prompts import read_prompts
+from runtime.engine.decoder import SpeculativeDecoder
+from runtime.engine.prompts import encode_prompt
 from runtime.proposers import NoProposer, ProposerSpec
 from runtime.proposers.eagle import EagleProposer
-from runtime.target import DEFAULT_TARGET, load_target
+from runtime.target.model import DEFAULT_TARGET, load_target
 
-from cli import (build_proposer_or_exit, non_negative_int, parse_grid_setting, positive_int,  # scripts/cli.py
+from cli.args import (build_proposer_or_exit, non_negative_int, parse_grid_setting, positive_int,
                  usage_error)
 
 

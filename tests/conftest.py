@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config
 
-from runtime.target import target_from_model
+from runtime.target.model import target_from_model
 
 # Tiny models gain nothing from a second thread, and one thread keeps the suite steady when the other core is busy
 # (an oversubscribed OpenMP pool makes small ops orders of magnitude slower).

@@ -4,41 +4,29 @@ from __future__ import annotations
 
 import torch
 
-from runtime.proposers.base import ProposeInput
-from runtime.tree import Tree
+from runtime.proposers.base import Proposer, ProposeInput
+from runtime.engine.tree import Tree
 
 
-class BadProposer:
+class BadProposer(Proposer):
     """Always proposes the same wrong-looking chain."""
 
     name = "bad"
-    hidden_layers: tuple[int, ...] = ()
-    needs_hidden = False
     expected_acceptance = 0.5
-    tree_size = None
-
-    def start(self, prompt, max_length):
-        return None
 
     def propose(self, state, step: ProposeInput) -> Tree:
         return Tree.chain(int(step.history[-1]), [3] * (step.tree_size - 1), device=step.history.device)
 
 
-class RandomProposer:
+class RandomProposer(Proposer):
     """A random tree shape with random tokens (siblings may repeat tokens), from its own seeded generator."""
 
     name = "random"
-    hidden_layers: tuple[int, ...] = ()
-    needs_hidden = False
     expected_acceptance = 0.5
-    tree_size = None
 
     def __init__(self, vocab_size: int, seed: int = 0):
         self.vocab_size = vocab_size
         self.generator = torch.Generator().manual_seed(seed)
-
-    def start(self, prompt, max_length):
-        return None
 
     def propose(self, state, step: ProposeInput) -> Tree:
         size = int(torch.randint(1, step.tree_size + 1, (), generator=self.generator))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from runtime.target import DEFAULT_TARGET, _float_cache_for_gguf, load_target, resolve_target
+from runtime.target.model import DEFAULT_TARGET, _float_cache_for_gguf, load_target, resolve_target
 from tests.conftest import tiny_model
 
 REPO = Path(__file__).resolve().parent.parent

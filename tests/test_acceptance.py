@@ -1,8 +1,8 @@
 import torch
 
-from runtime.acceptance import greedy_accept, rejection_accept, typical_accept
-from runtime.sampling import chunked_argmax, greedy_tokens
-from runtime.tree import Tree
+from runtime.engine.acceptance import greedy_accept, rejection_accept, typical_accept
+from runtime.engine.sampling import chunked_argmax, greedy_tokens
+from runtime.engine.tree import Tree
 
 
 def tree():

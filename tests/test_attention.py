@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from runtime.attention import (attention_with_lse, available_backends, cascade_attention, merge_attention,
-                               reference_prefix_attention, tree_attention)
-from runtime.target import target_from_model
-from runtime.tree import Tree, verification_mask
+from runtime.target.attention import (attention_with_lse, available_backends, cascade_attention, merge_attention,
+                                      reference_prefix_attention, tree_attention)
+from runtime.target.model import target_from_model
+from runtime.engine.tree import Tree, verification_mask
 from tests.conftest import tiny_model
 
 
@@ -83,7 +83,7 @@ def test_backend_gives_the_same_logits_through_the_model(backend, arch):
 
 def counted_decode_kernel(monkeypatch) -> list[int]:
     """The compiled decode attention kernel, each call appending to the returned list (skips where it is not)."""
-    from runtime import attention
+    from runtime.target import attention
 
     kernel = attention.decode_attention()
     if kernel is None:
@@ -161,8 +161,8 @@ def test_a_head_under_tree_attention_drafts_through_the_decode_kernel_as_under_s
     drafting passes take the decode kernel, with SDPA's outputs; the stock head, and the target, stay on SDPA."""
     import copy
 
-    from runtime import attention
-    from runtime.kv_cache import KVCache
+    from runtime.target import attention
+    from runtime.engine.kv_cache import KVCache
 
     calls = counted_decode_kernel(monkeypatch)
     model, head = bf16_eagle3_head()
@@ -189,12 +189,12 @@ def test_a_head_under_tree_attention_drafts_through_the_decode_kernel_as_under_s
 
 def test_a_stock_head_reads_packed_rows_through_the_decode_kernel_for_that_pass_alone(monkeypatch):
     """``tree_attention_for`` switches a head the runtime did not load to the tree attention for one pass: in bf16
-    its packed rows (different counts of new rows per row, ``runtime.ragged``) go through the decode kernel at once
-    and give each row what its own pass gives under SDPA; the head's setting comes back afterwards, and a module
+    its packed rows (different counts of new rows per row, ``runtime.engine.ragged``) go through the decode kernel at
+    once and give each row what its own pass gives under SDPA; the head's setting comes back afterwards, and a module
     whose layers have no config to switch is refused."""
-    from runtime import attention
-    from runtime.kv_cache import KVCache
-    from runtime.ragged import RaggedRows
+    from runtime.target import attention
+    from runtime.engine.kv_cache import KVCache
+    from runtime.engine.ragged import RaggedRows
 
     calls = counted_decode_kernel(monkeypatch)
     model, head = bf16_eagle3_head()

@@ -1,4 +1,4 @@
-"""The batch benchmark (scripts/benchmark.py --batch-size, runtime.benchmark.run_batch_benchmark): HF greedy on
+"""The batch benchmark (scripts/benchmark.py --batch-size, bench.harness.run_batch_benchmark): HF greedy on
 left-padded batches beside our batched decoder and both at batch 1, every row compared with HF greedy alone."""
 
 import json
@@ -6,11 +6,13 @@ import json
 import pytest
 import torch
 
-from runtime.benchmark import (DecoderMethod, HFBaseline, batch_markdown_table, batch_methods, check_batch_methods,
-                               check_batch_sizes, run_batch_benchmark, run_hf_batch, until_stop)
-from runtime.prompts import left_padded
+from bench.harness import run_batch_benchmark
+from bench.hf import run_hf_batch, until_stop
+from bench.methods import DecoderMethod, HFBaseline, batch_methods, check_batch_methods, check_batch_sizes
+from bench.report import batch_markdown_table
+from runtime.engine.prompts import left_padded
 from runtime.proposers import ProposerSpec
-from runtime.target import load_target
+from runtime.target.model import load_target
 from tests.conftest import tiny_model
 from tests.script_runs import check_arguments, run_script, save_tiny_model
 
@@ -141,7 +143,7 @@ def test_hf_baselines_decode_plainly_whatever_the_models_generation_config_holds
     """generate() fills unset settings from the model's generation_config: a repetition penalty there would make
     "HF greedy" another decoding than the runtime's. The baselines pin such settings; one with no neutral value to
     pin is refused before any work."""
-    from runtime.benchmark import ForwardCounter, plain_generation_settings, run_hf, run_hf_batch
+    from bench.hf import ForwardCounter, plain_generation_settings, run_hf, run_hf_batch
 
     model = tiny_model("llama")
     prompt = torch.tensor([1, 2, 3, 1, 2, 3])

@@ -6,22 +6,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.attention import sliding_window_mask
-from runtime.batched import BatchedDecoder
-from runtime.decoder import SpeculativeDecoder
+from runtime.target.attention import sliding_window_mask
+from runtime.engine.batched import BatchedDecoder
+from runtime.engine.decoder import SpeculativeDecoder
 from runtime.proposers.draft_model import DraftModelProposer
 from runtime.proposers.eagle import EagleProposer
 from runtime.proposers.ngram import NgramProposer
-from runtime.sampling import SamplingParams
-from runtime.target import target_from_model
-from runtime.proposers.base import ProposeInput
-from runtime.cost_model import cost_curve, pass_overhead_tokens, prefill_groups
-from runtime.tree import Tree, verification_mask
+from runtime.engine.sampling import SamplingParams
+from runtime.target.model import target_from_model
+from runtime.proposers.base import Proposer, ProposeInput
+from runtime.target.cost_model import cost_curve, pass_overhead_tokens, prefill_groups
+from runtime.engine.tree import Tree, verification_mask
 from tests import test_sampling_distribution as sampling
 from tests.conftest import tiny_model
 from tests.proposers_for_tests import BadProposer
 from tests.test_greedy_equality import lookahead_proposers, proposers
 from tests.test_head_proposers import eagle_head, head_proposers
+from runtime.engine.sizing import Allocation, BatchSizing
 
 VOCAB = 64
 NEW_TOKENS = 16
@@ -74,19 +75,18 @@ def test_sizes_allocated_per_row_and_pass_match_hf_greedy(name, monkeypatch):
     """Per-row sizes (``per_row_sizes``): rows of one pass draft different numbers of nodes, packed; every row is
     still what HF greedy gives it alone. A flat cost curve makes nodes cheap, so rows do draft; lookup's rows go
     deeper than one size for the run would take them, a model's rows no deeper (it drafts level by level)."""
-    import runtime.cost_model
+    import runtime.engine.sizing
 
-    monkeypatch.setattr(runtime.cost_model, "cost_curve",
+    monkeypatch.setattr(runtime.engine.sizing, "cost_curve",
                         lambda target, batch_size=1: {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3, 16: 2.0})
-    monkeypatch.setattr("runtime.batched.cost_curve", runtime.cost_model.cost_curve)  # its own import
     target = target_for("llama")
     references = [hf_greedy("llama", prompt) for prompt in PROMPTS]
     from runtime.proposers.lookup_first import LookupFirstProposer
 
     candidates = {**proposers(target, "llama"), **head_proposers(target)}
     candidates["eagle3+ngram"] = LookupFirstProposer(candidates["eagle3"])
-    decoder = BatchedDecoder(target, candidates[name], per_row_sizes=True)
-    run_size = BatchedDecoder(target, candidates[name], per_row_sizes=False)
+    decoder = BatchedDecoder(target, candidates[name], sizing=BatchSizing(per_row_sizes=True))
+    run_size = BatchedDecoder(target, candidates[name], sizing=BatchSizing(per_row_sizes=False))
     for batch_size in (3, 8):
         results = check_rows(decoder, references, batch_size, f"{name}/per row")
         assert "allocated per row" in decoder.tree_size_reason
@@ -112,7 +112,6 @@ def test_rows_given_no_node_skip_their_proposer_and_catch_up(monkeypatch):
     """Allocated per pass, a row given no draft node skips its proposer (a head would otherwise read its rows every
     pass); the features of the passes it skipped wait in the row, and when it next drafts the head reads them all:
     its cache then holds every position before the root. Every row stays HF greedy's."""
-    import runtime.batched
 
     target = target_for("llama")
     references = [hf_greedy("llama", prompt) for prompt in PROMPTS]
@@ -127,16 +126,16 @@ def test_rows_given_no_node_skip_their_proposer_and_catch_up(monkeypatch):
                 assert int(state.cache.lengths.max()) == step.history.numel() - 1, "the head missed rows"
             return trees
 
-    def one_row_drafts(self, gains, keys):  # each pass, only the first row with something to draft gets a node
-        sizes = [1] * len(gains)
-        first = next((b for b, key in enumerate(keys) if key is not None), None)
-        if first is not None:
-            sizes[first] = 2
-        return sizes
+    class OneRowDrafts(Allocation):
+        def sizes(self, gains, keys):  # each pass, only the first row with something to draft gets a node
+            sizes = [1] * len(gains)
+            first = next((b for b, key in enumerate(keys) if key is not None), None)
+            if first is not None:
+                sizes[first] = 2
+            return sizes
 
-    monkeypatch.setattr(runtime.batched.Allocation, "sizes", one_row_drafts)
-    monkeypatch.setattr(runtime.batched, "probe_step", lambda step, every=32: False)
-    decoder = BatchedDecoder(target, Counting(head), per_row_sizes=True, trial_passes=0)
+    sizing = BatchSizing(per_row_sizes=True, trial_passes=0, probe=lambda step: False, allocation=OneRowDrafts)
+    decoder = BatchedDecoder(target, Counting(head), sizing=sizing)
     results = check_rows(decoder, references, 3, "eagle3/one row drafts")
     assert calls and set(calls) == {1}  # one row per call: the others skipped the head
     assert any(size == 1 for result in results for size in result.tree_sizes)
@@ -146,7 +145,6 @@ def test_a_heads_call_after_skipped_passes_is_not_taken_as_its_price(monkeypatch
     """A head reads every row verified since it last drafted, so its call after passes it skipped (and its first,
     after the prompt) costs more than drafting once more. Only calls whose rows drafted in the pass before are
     measured as the price of a model's call (``Allocation.model_call``)."""
-    import runtime.batched
 
     target = target_for("llama")
     head = head_proposers(target)["eagle3"]
@@ -161,25 +159,22 @@ def test_a_heads_call_after_skipped_passes_is_not_taken_as_its_price(monkeypatch
                 last_drafted[id(state)] = now
             return self.inner.propose_rows(states, steps)
 
-    def one_row_drafts(self, gains, keys):  # the first row with something to draft gets a node, every 3rd pass two
-        sizes = [1] * len(gains)
-        drafting = [b for b, key in enumerate(keys) if key is not None][: 1 + (decoder.stats.passes % 3 == 0)]
-        for b in drafting:
-            sizes[b] = 2
-        return sizes
+    class Recording(Allocation):
+        def sizes(self, gains, keys):  # the first row with something to draft gets a node, every 3rd pass two
+            sizes = [1] * len(gains)
+            drafting = [b for b, key in enumerate(keys) if key is not None][: 1 + (decoder.stats.passes % 3 == 0)]
+            for b in drafting:
+                sizes[b] = 2
+            return sizes
 
-    observe_step = runtime.batched.Allocation.observe_step
+        def observe_step(self, nodes_per_row, forward, model, step, model_call=None, rows=None):
+            if model:
+                measured.append(model_call is not None)
+                assert model_call is None or model_call == model
+            super().observe_step(nodes_per_row, forward, model, step, model_call, rows)
 
-    def recording(self, nodes_per_row, forward, model, step, model_call=None, rows=None):
-        if model:
-            measured.append(model_call is not None)
-            assert model_call is None or model_call == model
-        observe_step(self, nodes_per_row, forward, model, step, model_call, rows)
-
-    monkeypatch.setattr(runtime.batched.Allocation, "sizes", one_row_drafts)
-    monkeypatch.setattr(runtime.batched.Allocation, "observe_step", recording)
-    monkeypatch.setattr(runtime.batched, "probe_step", lambda step, every=32: False)
-    decoder = BatchedDecoder(target, Counting(head), per_row_sizes=True, trial_passes=0)
+    sizing = BatchSizing(per_row_sizes=True, trial_passes=0, probe=lambda step: False, allocation=Recording)
+    decoder = BatchedDecoder(target, Counting(head), sizing=sizing)
     decoder.generate(PROMPTS[:3], 24, batch_size=3)
     assert measured == calls
     assert not calls[0] and True in calls and False in calls[1:]
@@ -189,15 +184,14 @@ def test_drafting_trials_go_by_live_rows_and_carry_into_the_next_run(monkeypatch
     """Each power-of-two bucket of live rows has its own trial (a run's rows finish one by one, and drafting pays
     more where few rows share a pass); a decoder's next run carries on from them, and no pair of blocks spans two
     runs or two buckets."""
-    import runtime.cost_model
-    from runtime.batched import row_bucket
+    import runtime.engine.sizing
+    from runtime.engine.sizing import row_bucket
 
     assert [row_bucket(n) for n in (1, 2, 3, 4, 7, 8, 15, 16, 31)] == [1, 2, 2, 4, 4, 8, 8, 16, 16]
-    monkeypatch.setattr(runtime.cost_model, "cost_curve", lambda target, batch_size=1: {1: 1.0, 2: 1.05, 4: 1.1})
-    monkeypatch.setattr("runtime.batched.cost_curve", runtime.cost_model.cost_curve)  # its own import
+    monkeypatch.setattr(runtime.engine.sizing, "cost_curve", lambda target, batch_size=1: {1: 1.0, 2: 1.05, 4: 1.1})
     target = target_for("llama")
     references = [hf_greedy("llama", prompt) for prompt in PROMPTS]
-    decoder = BatchedDecoder(target, NgramProposer(), trial_passes=2)
+    decoder = BatchedDecoder(target, NgramProposer(), sizing=BatchSizing(trial_passes=2))
     check_rows(decoder, references, 3, "first run")
     first = dict(decoder.trials)
     assert set(first) <= {1, 2} and 2 in first and first[2].decided is not None
@@ -217,10 +211,9 @@ def test_a_drafting_trial_keeps_every_row_equal_to_hf_greedy(outcome, monkeypatc
     """A greedy run of several rows alternates drafting and plain passes, then chooses one of the two (here forced).
     Through the plain passes the rows keep collecting the hidden states a head reads, so that where drafting resumes
     it reads every position it missed. Every row stays HF greedy's."""
-    import runtime.batched
-    import runtime.cost_model
+    import runtime.engine.sizing
     from runtime.proposers.lookup_first import LookupFirstProposer
-    from runtime.tree_sizing import DraftingTrial
+    from runtime.engine.tree_sizing import DraftingTrial
 
     class Forced(DraftingTrial):
         def observe(self, size, tokens, seconds):
@@ -228,9 +221,7 @@ def test_a_drafting_trial_keeps_every_row_equal_to_hf_greedy(outcome, monkeypatc
             if self.decided is not None:
                 self.decided = 1 if outcome == "plain" else self.drafting_size
 
-    monkeypatch.setattr(runtime.batched, "DraftingTrial", Forced)
-    monkeypatch.setattr(runtime.cost_model, "cost_curve", lambda target, batch_size=1: {1: 1.0, 2: 1.05, 4: 1.1})
-    monkeypatch.setattr("runtime.batched.cost_curve", runtime.cost_model.cost_curve)  # its own import
+    monkeypatch.setattr(runtime.engine.sizing, "cost_curve", lambda target, batch_size=1: {1: 1.0, 2: 1.05, 4: 1.1})
     target = target_for("llama")
     references = [hf_greedy("llama", prompt) for prompt in PROMPTS]
     heads = head_proposers(target)
@@ -238,7 +229,7 @@ def test_a_drafting_trial_keeps_every_row_equal_to_hf_greedy(outcome, monkeypatc
                   "medusa": heads["medusa"], **proposers(target, "llama")}
     candidates.pop("none")  # nothing to try
     for name, proposer in candidates.items():
-        decoder = BatchedDecoder(target, proposer, trial_passes=2)
+        decoder = BatchedDecoder(target, proposer, sizing=BatchSizing(trial_passes=2, trial=Forced))
         results = check_rows(decoder, references, 3, f"{name}/trial {outcome}")
         assert "measured faster" in decoder.tree_size_reason, name
         sizes = [size for result in results for size in result.tree_sizes]
@@ -374,20 +365,17 @@ def test_stop_strings_and_typical_acceptance_as_decoded_alone():
         assert [(r.tokens, r.stop_reason) for r in results] == [(r.tokens, r.stop_reason) for r in expected]
 
 
-class SplitProposer:
+class SplitProposer(Proposer):
     """Per row, a perfect chain (the target drafting for itself) or a wrong one, chosen by the prompt's first token:
     rows of one batch then accept very different lengths at every pass."""
 
     name = "split"
-    hidden_layers: tuple[int, ...] = ()
-    needs_hidden = False
     expected_acceptance = 0.5
-    tree_size = None
 
     def __init__(self, target):
         self.good, self.bad = DraftModelProposer(target, target, "chain", depth=4), BadProposer()
 
-    def start(self, prompt, max_length):
+    def start(self, prompt, max_length, sampling=None):
         good = int(prompt[0]) % 2 == 0
         return good, self.good.start(prompt, max_length) if good else None
 
@@ -457,22 +445,25 @@ def test_bad_arguments_are_clear_errors():
 def test_the_first_prompts_prefill_in_groups_and_match_hf_greedy(monkeypatch, overhead):
     """Whatever the split of the first prompts into prefill passes (each alone, groups, one padded pass), every row
     writes its own rows of the cache and decodes as alone; the proposer reads each row's prompt features."""
-    import runtime.batched
 
-    monkeypatch.setattr(runtime.batched, "pass_overhead_tokens", lambda curve: overhead)
+
+    class Grouping(BatchSizing):
+        def prefill_overhead(self, target):
+            return overhead
+
     target = target_for("llama")
     references = [hf_greedy("llama", prompt) for prompt in PROMPTS]
     groups = prefill_groups([len(prompt) for prompt in PROMPTS], overhead)
     assert len(groups) == {0.0: 8, 4.0: 5, float("inf"): 1}[overhead]
     candidates = {**proposers(target, "llama"), **head_proposers(target)}
     for name in ("none", "eagle3"):
-        decoder = BatchedDecoder(target, candidates[name], tree_size=6)
+        decoder = BatchedDecoder(target, candidates[name], sizing=Grouping(tree_size=6))
         check_rows(decoder, references, len(PROMPTS), f"prefill groups {overhead}/{name}")
         assert decoder.stats.prefill_passes == len(groups)
 
 
 def test_prefill_inputs_by_hand():
-    from runtime.batched import prefill_inputs
+    from runtime.engine.batched import prefill_inputs
 
     tokens, positions, mask = prefill_inputs([torch.tensor([5, 6, 7]), torch.tensor([8])])
     assert tokens.tolist() == [[5, 6, 7], [8, 0, 0]] and positions.tolist() == [[0, 1, 2], [0, 1, 2]]
@@ -485,7 +476,7 @@ def test_prefill_inputs_by_hand():
 
 
 def test_cache_row_views_and_dropping_rows():
-    from runtime.kv_cache import KVCache
+    from runtime.engine.kv_cache import KVCache
 
     cache = KVCache(2, 3, 1, 2, 16, torch.float32, "cpu")
     cache.commit(torch.tensor([4, 9, 6]))
@@ -575,11 +566,10 @@ def test_a_seed_repeats_its_draws_with_adaptive_tree_sizes(monkeypatch):
     """With the tree size left to the decoder, greedy runs teach its sizers; a sampled generation keeps the one-row
     starting size, so a seed gives the same tokens on a fresh decoder, on one that has decoded before, and in a
     batch."""
-    import runtime.cost_model
+    import runtime.engine.sizing
 
-    monkeypatch.setattr(runtime.cost_model, "cost_curve", lambda target, batch_size=1: {1: 1.0, 2: 1.05, 4: 1.1,
+    monkeypatch.setattr(runtime.engine.sizing, "cost_curve", lambda target, batch_size=1: {1: 1.0, 2: 1.05, 4: 1.1,
                                                                                          8: 1.3})
-    monkeypatch.setattr("runtime.batched.cost_curve", runtime.cost_model.cost_curve)  # its own import
     target = target_for("llama")
     draft = target_from_model(tiny_model("llama", seed=1, vocab_size=VOCAB), identity="draft")
     proposer = DraftModelProposer(draft, target, "chain", depth=6)
@@ -595,16 +585,16 @@ def test_a_seed_repeats_its_draws_with_adaptive_tree_sizes(monkeypatch):
     assert batched[1].tokens == fresh
 
 
-class FixedTrees:
+class FixedTrees(Proposer):
     """Row r (in the order rows start) always gets the tree of shape ``shapes[r]``: (parents of the nodes after the
     root, their tokens)."""
 
-    name, hidden_layers, needs_hidden = "fixed", (), False
+    name = "fixed"
 
     def __init__(self, shapes):
         self.shapes, self.started = shapes, 0
 
-    def start(self, prompt, max_length):
+    def start(self, prompt, max_length, sampling=None):
         self.started += 1
         return self.started - 1
 
@@ -632,7 +622,7 @@ def test_one_pass_gives_every_row_its_own_logits(arch, attention, dtype, monkeyp
     computed) in one pass: every real node gets the logits it gets verified alone, past a sliding window too (a
     chain deeper than the window in a row a few slots shorter than the longest), and every output of the pass is
     finite. In bf16 with 64-wide heads the CPU decode kernel reads the packed query rows itself."""
-    import runtime.attention
+    import runtime.target.attention
 
     if dtype == "float32":
         target = target_for(arch)
@@ -640,9 +630,9 @@ def test_one_pass_gives_every_row_its_own_logits(arch, attention, dtype, monkeyp
         model = tiny_model(arch, seed=0, vocab_size=VOCAB, hidden_size=128, num_attention_heads=2,
                            num_key_value_heads=1)
         target = target_from_model(model.to(torch.bfloat16), identity="tiny-bf16")
-    kernel, packed_calls = runtime.attention.decode_attention(), []
+    kernel, packed_calls = runtime.target.attention.decode_attention(), []
     if kernel is not None:
-        monkeypatch.setattr(runtime.attention, "decode_attention", lambda: lambda *args: packed_calls.append(
+        monkeypatch.setattr(runtime.target.attention, "decode_attention", lambda: lambda *args: packed_calls.append(
             len(args) > 5 and args[5] is not None) or kernel(*args))
     generator = torch.Generator().manual_seed(0)
 

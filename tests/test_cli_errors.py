@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from bench.prompts import read_prompts
 from heads.common import frozen_target_weights, target_signature
 from heads.eagle import EagleConfig, EagleHead
 from heads.io import read_head_config, save_head
-from runtime.prompts import read_prompts
 from runtime.proposers import ProposerSpec, build_proposer
 from tests.conftest import tiny_target
 from tests.script_runs import check_arguments, run_script

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.cost_model import best_tree_size, expected_tokens, pass_overhead_tokens, prefill_groups
-from runtime.tree_sizing import DepthAcceptance, TreeSizer
+from runtime.engine.tree_sizing import best_tree_size, expected_tokens
+from runtime.target.cost_model import pass_overhead_tokens, prefill_groups
+from runtime.engine.tree_sizing import DepthAcceptance, TreeSizer
 
 
 def test_expected_tokens_by_hand():
@@ -78,20 +79,21 @@ def test_the_quick_start_speculates_even_from_a_pessimistic_cached_curve(monkeyp
     """The reported failure: a cached curve saying two tokens cost 1.92x one made ngram draft nothing for good.
     With adaptive sizing the decoder starts at plain decoding, probes, learns and speculates (tau > 1), and the
     output stays the target's greedy output."""
-    import runtime.cost_model
-    from runtime.decoder import SpeculativeDecoder
+    import runtime.engine.sizing
+    from runtime.engine.decoder import SpeculativeDecoder
     from runtime.proposers import NgramProposer
-    from runtime.target import target_from_model
+    from runtime.target.model import target_from_model
     from tests.conftest import tiny_model
     from tests.test_greedy_equality import hf_greedy
 
-    import runtime.decoder
+    import runtime.engine.decoder
 
-    monkeypatch.setattr(runtime.cost_model, "cost_curve", lambda target: {1: 1.0, 2: 1.92, 4: 2.6, 8: 4.0})
+    monkeypatch.setattr(runtime.engine.sizing, "cost_curve",
+                        lambda target, batch_size=1: {1: 1.0, 2: 1.92, 4: 2.6, 8: 4.0})
     # A tiny model's step timings are mostly Python and vary with the machine: every step reports the same seconds
     # (a pass costs the same at every size, as the probes would find on a real target's flat end), so what is
     # tested is the probing and learning of acceptance, not this machine's timer.
-    monkeypatch.setattr(runtime.decoder, "synchronized_seconds", lambda device, started: 0.01)
+    monkeypatch.setattr(runtime.engine.decoder, "synchronized_seconds", lambda device, started: 0.01)
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=64), identity="tiny")
     decoder = SpeculativeDecoder(target, NgramProposer())
     assert decoder.tree_size_reason.startswith("adaptive, starting at 1") and decoder.tree_size == 8
@@ -109,7 +111,7 @@ def test_timings_wait_for_the_device(monkeypatch):
 
     import torch
 
-    from runtime.cost_model import synchronized_seconds
+    from runtime.target.machine import synchronized_seconds
 
     waited = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
@@ -119,26 +121,28 @@ def test_timings_wait_for_the_device(monkeypatch):
     assert len(waited) == 1
 
 
-def test_the_batched_tree_size_follows_the_cost_curve_at_the_batch_size(monkeypatch):
+def test_the_batched_tree_size_follows_the_cost_curve_at_the_batch_size():
     """Many rows make extra tree nodes dearer: the size shrinks with the batch, to plain decoding where drafting no
     longer pays (measured curves, here hand-built); sampled rows keep the one-row size so that their draws do not
     depend on how many rows share the batch. Allocated per row and pass, greedy rows draft fewer nodes as the batch
     grows."""
-    import runtime.cost_model
-    from runtime.batched import BatchedDecoder
+    from runtime.engine.batched import BatchedDecoder
+    from runtime.engine.sizing import BatchSizing
     from runtime.proposers import NgramProposer
-    from runtime.target import target_from_model
+    from runtime.target.model import target_from_model
     from tests.conftest import tiny_model
     from tests.proposers_for_tests import BadProposer
 
     curves = {1: {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.3}, 2: {1: 1.0, 2: 1.1, 4: 1.45, 8: 2.0},
               4: {1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5}}
-    monkeypatch.setattr(runtime.cost_model, "cost_curve", lambda target, batch_size=1: curves[batch_size])
-    monkeypatch.setattr("runtime.batched.cost_curve", runtime.cost_model.cost_curve)  # its own import
+
+    def sized(per_row_sizes):
+        return BatchSizing(per_row_sizes=per_row_sizes, curve=lambda target, batch_size=1: curves[batch_size])
+
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=64), identity="tiny")
-    decoder = BatchedDecoder(target, NgramProposer(), per_row_sizes=False)  # prior acceptance 0.45
-    default = BatchedDecoder(target, NgramProposer(), per_row_sizes=None)  # per row: lookup at any batch size
-    modelled = BatchedDecoder(target, BadProposer(), per_row_sizes=None)  # per row where one size would draft
+    decoder = BatchedDecoder(target, NgramProposer(), sizing=sized(False))  # prior acceptance 0.45
+    default = BatchedDecoder(target, NgramProposer(), sizing=sized(None))  # per row: lookup at any batch size
+    modelled = BatchedDecoder(target, BadProposer(), sizing=sized(None))  # per row where one size would draft
     prompts = [[1, 2, 3, 1, 2, 3]] * 4
     chosen = {}
     for rows in (1, 2, 4):
@@ -158,7 +162,7 @@ def test_the_batched_tree_size_follows_the_cost_curve_at_the_batch_size(monkeypa
     decoder.generate(prompts, 4, batch_size=4, temperature=1.0, seeds=[0, 1, 2, 3])
     assert decoder.tree_size == 4
 
-    per_row = BatchedDecoder(target, NgramProposer(), per_row_sizes=True)
+    per_row = BatchedDecoder(target, NgramProposer(), sizing=sized(True))
     prompts = [[1, 2, 3, 1, 2, 3], [4, 5, 6, 7], [9, 9, 9, 9, 9], [3, 1, 3, 1]]
     mean_size = {}
     for rows in (1, 4):
@@ -176,7 +180,7 @@ def test_the_curves_price_above_one_node_is_learnt_from_the_passes_by_hand():
     """``CurveScale``: passes whose cost above one node is 1.5 times what the curve says move the scale to 1.5 (a
     cached curve measured on a busy machine understates it); passes that all sit at one size cannot tell a slope and
     leave it; the scale stays within its limits."""
-    from runtime.tree_sizing import CurveScale
+    from runtime.engine.tree_sizing import CurveScale
 
     curve = {1: 1.0, 2: 1.4, 4: 2.2}
     scale = CurveScale()
@@ -201,7 +205,7 @@ def test_the_curves_price_above_one_node_is_learnt_from_the_passes_by_hand():
 def test_a_run_prices_its_curve_from_its_full_width_passes_by_hand():
     """``Allocation.observe_step``: passes at the run's full width correct the curve the sizes come from; passes
     of a draining batch (fewer rows) do not, since a pass of fewer rows is cheaper at every size."""
-    from runtime.batched import Allocation
+    from runtime.engine.sizing import Allocation
 
     allocation = Allocation({1: 1.0, 2: 1.4, 4: 2.2}, {"ngram": 4}, {"ngram": 0.45}, set(), width=4)
     for nodes in [1.0, 1.25, 2.0, 1.5] * 4:  # the curve says 1.0 / 1.1 / 1.4 / 1.2, the passes cost twice above 1
@@ -221,7 +225,7 @@ def allocate_nodes_on(allocation, gains):
 
 
 def test_nodes_go_where_they_pay_by_hand():
-    from runtime.tree_sizing import allocate_nodes
+    from runtime.engine.tree_sizing import allocate_nodes
 
     # 16 rows; one more node per row costs 0.6 of a pass of one each, so a node pays while what it adds exceeds
     # 16 * 0.6 / 16 = 0.6 tokens (a little more as the pass's tokens grow)
@@ -234,7 +238,7 @@ def test_nodes_go_where_they_pay_by_hand():
 
 
 def test_a_rows_acceptance_leans_on_its_runs_until_it_has_its_own():
-    from runtime.tree_sizing import DepthAcceptance
+    from runtime.engine.tree_sizing import DepthAcceptance
 
     run = DepthAcceptance(0.5)
     for _ in range(40):
@@ -265,7 +269,7 @@ def test_prefill_groups_by_hand():
 
 
 def test_break_even_acceptance_by_hand():
-    from runtime.cost_model import break_even_acceptance
+    from runtime.target.cost_model import break_even_acceptance
 
     # 16 rows: 27 ms with one token per row, 45 ms with two: a node costs 18/27 of a plain token
     assert break_even_acceptance({1: 0.027, 2: 0.045}) == pytest.approx(18 / 27)
@@ -274,8 +278,8 @@ def test_break_even_acceptance_by_hand():
 
 
 def test_pooled_depth_acceptance_by_hand():
-    from runtime.cost_model import pooled_depth_acceptance
-    from runtime.decoder import GenerationResult
+    from runtime.target.cost_model import pooled_depth_acceptance
+    from runtime.engine.decoder import GenerationResult
 
     # row a: 4 passes, 3 drafted a depth-1 node (2 accepted), 1 of them a depth-2 node (accepted)
     a = GenerationResult([], [], 5, 0.0, "length", depth_attempts=[3, 1], depth_accepts=[2, 1])
@@ -291,16 +295,17 @@ def test_lookup_first_sizes_each_drafters_trees_apart(monkeypatch):
     """Lookup first, a head otherwise: each drafter gets its own sizer, which learns only from the steps that drafter
     drafted. Here lookup's continuations are right (the text loops) and the head's guesses never are, so lookup's
     trees stay large while the head's shrink to plain decoding; the output stays the target's greedy output."""
-    import runtime.cost_model
-    from runtime.decoder import SpeculativeDecoder
+    import runtime.engine.sizing
+    from runtime.engine.decoder import SpeculativeDecoder
     from runtime.proposers import NgramProposer
     from runtime.proposers.lookup_first import LookupFirstProposer
-    from runtime.target import target_from_model
+    from runtime.target.model import target_from_model
     from tests.conftest import tiny_model
     from tests.proposers_for_tests import BadProposer
     from tests.test_greedy_equality import hf_greedy
 
-    monkeypatch.setattr(runtime.cost_model, "cost_curve", lambda target: {1: 1.0, 2: 1.3, 4: 1.6, 8: 2.0})
+    monkeypatch.setattr(runtime.engine.sizing, "cost_curve",
+                        lambda target, batch_size=1: {1: 1.0, 2: 1.3, 4: 1.6, 8: 2.0})
     steps = []
 
     class Recording(LookupFirstProposer):
@@ -338,7 +343,7 @@ def test_lookup_first_searches_the_history_once_where_nothing_matches():
     from runtime.proposers import NgramProposer
     from runtime.proposers.base import ProposeInput
     from runtime.proposers.lookup_first import LookupFirstProposer
-    from runtime.sampling import SamplingParams
+    from runtime.engine.sampling import SamplingParams
     from tests.proposers_for_tests import BadProposer
 
     searches = []
@@ -370,7 +375,7 @@ def test_drafting_trial_by_hand():
     tokens per second, compared between adjacent blocks only; the first pass of a block after a switch (a head's
     catching up) is left out. Afterwards the last block of every period goes to the other choice, which takes over
     where it now measures faster than its neighbours, even when the whole run has slowed down (rows finishing)."""
-    from runtime.tree_sizing import DraftingTrial
+    from runtime.engine.tree_sizing import DraftingTrial
 
     trial = DraftingTrial(3, passes=4, warmup=1, block=2, every=6, decay=1.0)
     sizes = []
@@ -423,7 +428,6 @@ def test_lookup_levels_are_the_matched_suffix_by_hand():
     import torch
 
     from runtime.proposers import NgramProposer
-    from runtime.proposers.base import draft_key
 
     lookup = NgramProposer()
     cases = {(1, 2, 3, 4, 9, 2, 3, 4): 3, (1, 2, 3, 4, 5, 1, 2, 3, 4): 4, (7, 8, 9, 5, 8, 9): 2, (1, 2, 3, 4): 0,
@@ -432,7 +436,7 @@ def test_lookup_levels_are_the_matched_suffix_by_hand():
         history = torch.tensor(history)
         assert lookup.match_length(history) == found, history
         assert lookup.finds(history) == (found > 0)
-        assert draft_key(lookup, None, history) == (("ngram", found) if found else None)
+        assert lookup.draft_key(None, history) == (("ngram", found) if found else None)
 
 
 def test_suffix_matches_and_continuations_by_hand():
@@ -455,7 +459,7 @@ def test_suffix_matches_and_continuations_by_hand():
 def test_rows_are_sized_without_a_models_call_when_that_pays_more_by_hand():
     """``Allocation.sizes``: a model drafter's call costs about as much for one row as for all, so rows are sized
     without it and with it, and the step with more tokens per unit of cost is taken."""
-    from runtime.batched import Allocation
+    from runtime.engine.sizing import Allocation
 
     curve = {1: 1.0, 2: 1.4, 4: 2.2}
     allocation = Allocation(curve, {"ngram": 4, "eagle3": 2}, {"ngram": 0.45, "eagle3": 0.5}, {"eagle3"})

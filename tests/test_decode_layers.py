@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from heads.common import FrozenProjection
-from runtime.decode_layers import (DecodeFrozenProjection, DecodeLayers, DecodeLinear, PackedWeights, decode_linear,
-                                   use_decode_layers)
-from runtime.kernels import bf16_packed_linear, pack_bf16_weight
-from runtime.target import Target
+from runtime.target.decode_layers import (DecodeFrozenProjection, DecodeLayers, DecodeLinear, PackedWeights,
+                                          decode_linear, use_decode_layers)
+from runtime.target.kernels import bf16_packed_linear, pack_bf16_weight
+from runtime.target.model import Target
 from tests.conftest import tiny_model
 
 
@@ -32,7 +32,7 @@ def test_decode_linear_equals_linear(shape, with_bias):
 def test_bf16_decode_linear_equals_linear_with_and_without_bf16_matrix_instructions(monkeypatch, dot, native, rows):
     # Which product runs depends on the CPU's bf16 instructions; every choice runs here whatever this CPU has (the
     # AVX512-BF16 dot kernel, where the CPU has it, comes first, so it is switched off for the others)
-    import runtime.decode_layers as decode_layers
+    import runtime.target.decode_layers as decode_layers
 
     monkeypatch.setattr(decode_layers, "native_bf16_matmul", lambda: native)
     if not dot:
@@ -145,7 +145,7 @@ def test_target_leaves_a_users_model_unchanged_and_runs_decode_layers_in_its_pas
     """The runtime may not switch a caller's model behind their back: after wrapping it and decoding with it, the
     model has its own classes, attention implementation, grad flags and outputs; inside the runtime's pass it ran
     the decode layers and the tree attention."""
-    from runtime.decoder import SpeculativeDecoder
+    from runtime.engine.decoder import SpeculativeDecoder
     from runtime.proposers import NgramProposer
 
     model = tiny_model("llama")

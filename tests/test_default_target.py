@@ -2,10 +2,11 @@
 
 import pytest
 
-from runtime.decoder import SpeculativeDecoder
-from runtime.prompts import encode_prompt, read_prompts
+from bench.prompts import read_prompts
+from runtime.engine.decoder import SpeculativeDecoder
+from runtime.engine.prompts import encode_prompt
 from runtime.proposers import NgramProposer
-from runtime.target import load_target
+from runtime.target.model import load_target
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,8 @@ from heads.common import frozen_target_weights, target_signature
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.formats import detect_layout, export_refusal, load_any_head
-from heads.io import EXPORT_MARKER, export_all, export_head, load_head, save_head
+from heads.export import EXPORT_MARKER, export_all, export_head
+from heads.io import load_head, save_head
 from heads.medusa import MedusaConfig, MedusaHeads
 from tests.conftest import tiny_model
 from tests.script_runs import check_arguments
@@ -73,7 +74,7 @@ def test_every_export_loads_back_as_the_same_head(kind, tmp_path):
             continue
         out = export_head(head, tmp_path / fmt, fmt=fmt)
         assert json.loads((out / EXPORT_MARKER).read_text())["layout"] == fmt
-        assert detect_layout(out)[1] == head.head_type
+        assert detect_layout(out).head_type == head.head_type
         loaded, config = load_any_head(out, model)
         assert config["format"] == "imported" and config["head_type"] == head.head_type
         torch.testing.assert_close(draft_logits(loaded), expected, rtol=0, atol=0)

@@ -9,12 +9,12 @@ import torch
 
 from heads.common import frozen_target_weights, target_signature
 from heads.eagle import EagleConfig, EagleHead
-from heads.io import (EXPORT_MARKER, MERGED_ADAPTERS_KEY, adapter_fingerprint, export_destination_problem, export_head,
-                      save_head)
+from heads.export import EXPORT_MARKER, export_destination_problem, export_head
+from heads.io import MERGED_ADAPTERS_KEY, adapter_fingerprint, save_head
 from heads.medusa import MedusaConfig, MedusaHeads
-from runtime.decoder import SpeculativeDecoder
+from runtime.engine.decoder import SpeculativeDecoder
 from runtime.proposers import ProposerSpec, build_proposer
-from runtime.target import load_target
+from runtime.target.model import load_target
 from tests.conftest import tiny_target
 from tests.script_runs import check_arguments, run_script, save_tiny_model
 

@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from runtime.decoder import SpeculativeDecoder
+from runtime.engine.decoder import SpeculativeDecoder
 from runtime.proposers.draft_model import DraftModelProposer
 from runtime.proposers.lookahead import LookaheadProposer
 from runtime.proposers.lookup_first import LookupFirstProposer
 from runtime.proposers.ngram import NgramProposer
 from runtime.proposers.spec import LookaheadSettings
-from runtime.successor_prior import measure_successor_prior
-from runtime.target import target_from_model
+from runtime.proposers.successor_prior import measure_successor_prior
+from runtime.target.model import target_from_model
 from tests.conftest import tiny_model
 from tests.proposers_for_tests import BadProposer, RandomProposer
 
@@ -233,7 +233,7 @@ def test_auto_attention_takes_flash_attn_only_where_it_runs(monkeypatch):
     (Ampere) or more, nothing else."""
     import importlib.util
 
-    from runtime import attention
+    from runtime.target import attention
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name))

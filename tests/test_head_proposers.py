@@ -7,15 +7,14 @@ from heads.common import frozen_target_weights
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.medusa import MedusaConfig, MedusaHeads
-from runtime.attention import ATTN_IMPLEMENTATION
-from runtime.decoder import SpeculativeDecoder
+from runtime.target.attention import ATTN_IMPLEMENTATION
+from runtime.engine.decoder import SpeculativeDecoder
 from runtime.proposers.eagle import EagleProposer
 from runtime.proposers.lookup_first import LookupFirstProposer
-from runtime.proposers.medusa import (MedusaProposer, calibrated_choices, measured_rank_paths, tree_accepted,
-                                      tree_tau)
+from runtime.proposers.medusa import MedusaProposer, calibrated_choices, measured_rank_paths, tree_accepted, tree_tau
 from runtime.proposers.ngram import NgramProposer
-from runtime.sampling import SamplingParams
-from runtime.target import target_from_model
+from runtime.engine.sampling import SamplingParams
+from runtime.target.model import target_from_model
 from tests.conftest import tiny_model
 from tests.test_greedy_equality import PROMPTS, hf_greedy
 
@@ -76,7 +75,7 @@ def test_head_proposers_match_hf_greedy(arch):
 def test_medusa_with_fixed_choices_keeps_their_tree_under_adaptive_sizing():
     """Explicit choices fix the tree (a missing prefix included): the decoder verifies that tree at every step rather
     than asking for fewer nodes than the choices make, alone and in a batch."""
-    from runtime.batched import BatchedDecoder
+    from runtime.engine.batched import BatchedDecoder
 
     target = target_from_model(tiny_model("llama", seed=0, vocab_size=VOCAB), identity="tiny")
     proposer = MedusaProposer(medusa_heads(target), choices=[(0,), (0, 0), (1,), (0, 0, 0), (2, 1)])
@@ -202,7 +201,7 @@ def test_saved_heads_load_into_proposers_by_spec(tmp_path):
     with pytest.raises(NoShippedHead, match="no eagle3 head ships for target 'tiny' .* pass ProposerSpec.head"):
         build_proposer(ProposerSpec("eagle3"), target)
     with pytest.raises(TypeError, match="takes a ProposerSpec"):
-        build_proposer(f"eagle:{eagle_dir}", target)  # the kind:DIR spelling is the scripts' (scripts/cli.py)
+        build_proposer(f"eagle:{eagle_dir}", target)  # the kind:DIR spelling is the scripts' (cli/args.py)
 
 
 @pytest.mark.parametrize("name", ["eagle", "medusa"])

@@ -11,7 +11,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from heads.common import target_signature
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle3 import Eagle3Config, Eagle3Head
-from heads.io import export_head, load_head, save_head
+from heads.export import export_head
+from heads.io import load_head, save_head
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.registry import HEAD_TYPES, build_head
 from tests.tiny_training import char_tokenizer

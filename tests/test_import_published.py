@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from heads.formats import detect_layout, load_any_head
-from runtime.decoder import SpeculativeDecoder
+from runtime.engine.decoder import SpeculativeDecoder
 from runtime.proposers import ProposerSpec, build_proposer
-from runtime.target import target_from_model
+from runtime.target.model import target_from_model
 from tests.conftest import tiny_model
 
 H, V, HEADS, KV, FFN, LAYERS, THETA, EPS = 32, 64, 4, 2, 64, 8, 100000.0, 1e-6
@@ -141,7 +141,8 @@ def reference_eagle3_logits(t, ids, features, embed):
 def test_published_eagle3_heads_load_and_compute_what_their_authors_code_computes(layout, layers, tmp_path):
     tiny = target()
     tensors = write_eagle3(tmp_path / layout, layout)
-    assert detect_layout(tmp_path / layout) == ("eagle3", "eagle3")
+    detected = detect_layout(tmp_path / layout)
+    assert (detected.layout, detected.head_type) == ("eagle3", "eagle3")
     head, config = load_any_head(tmp_path / layout, tiny.model)
     assert config["layout"] == "eagle3" and head.feature_layers == layers  # SpecForge's ids are SGLang's: + 1
     assert torch.equal(head.draft_to_target, DRAFT_IDS)
@@ -156,7 +157,8 @@ def test_published_eagle3_heads_load_and_compute_what_their_authors_code_compute
 def test_published_eagle1_and_medusa_heads_load_with_their_weights_in_place(tmp_path):
     tiny = target()
     tensors = write_eagle1(tmp_path / "eagle1")
-    assert detect_layout(tmp_path / "eagle1") == ("eagle", "eagle")
+    detected = detect_layout(tmp_path / "eagle1")
+    assert (detected.layout, detected.head_type) == ("eagle", "eagle")
     head, _ = load_any_head(tmp_path / "eagle1", tiny.model)
     state = head.state_dict()
     assert head.config.fc_bias and set(state) == set(tensors) - {"embed_tokens.weight"}

@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.decode_layers import DOT_KERNEL_MAX_ROWS, WEIGHT_MAJOR_MAX_ROWS, decode_linear
-from runtime.kernels import (KERNEL_CPU_CAPABILITIES, bf16_amx_linear, bf16_dot_linear, bf16_packed_linear,
-                             bf16_rows_linear, bf16_rows_matmul, decode_attention, decode_attention_avx2,
-                             onednn_bf16_linear, pack_bf16_weight, pack_onednn_weight, rms_norm_rows)
+from runtime.target.decode_layers import DOT_KERNEL_MAX_ROWS, WEIGHT_MAJOR_MAX_ROWS, decode_linear
+from runtime.target.kernels import (KERNEL_CPU_CAPABILITIES, bf16_amx_linear, bf16_dot_linear, bf16_packed_linear,
+                                    bf16_rows_linear, bf16_rows_matmul, decode_attention, decode_attention_avx2,
+                                    onednn_bf16_linear, pack_bf16_weight, pack_onednn_weight, rms_norm_rows)
 
 
 def built_or_fail(accessor=bf16_rows_matmul):
@@ -147,7 +147,7 @@ def packed_kernel_or_skip(which: str = "blocks"):
             pytest.skip("the AMX kernel needs a CPU with AMX tiles")
         kernel = bf16_amx_linear()
         if kernel is None:
-            import runtime.kernels as kernels
+            import runtime.target.kernels as kernels
 
             module = kernels._compiled("bf16_amx_rows.cpp", "", kernels.AMX_KERNEL_FLAGS)
             assert module is not None, "bf16_amx_linear: the kernel did not build on a CPU with AMX"
@@ -343,9 +343,9 @@ def test_decode_attention_takes_batches_no_mask_and_gives_zeros_where_nothing_is
 
 @ATTENTION_BUILDS
 def test_decode_attention_takes_packed_rows_bit_identical_to_padded_ones(build):
-    """Rows of different lengths packed one after another (a ragged pass, ``runtime.ragged``): each real row's output
-    is bit-identical to what the kernel gives it laid out padded, and padding is never computed."""
-    from runtime.ragged import RaggedRows
+    """Rows of different lengths packed one after another (a ragged pass, ``runtime.engine.ragged``): each real row's
+    output is bit-identical to what the kernel gives it laid out padded, and padding is never computed."""
+    from runtime.engine.ragged import RaggedRows
 
     kernel = built_or_fail(build)
     query, key, value, mask = cache_like_case(5, 40, 64, batch=3, heads=9, kv_heads=3, seed=4)
@@ -402,7 +402,7 @@ def test_a_build_lock_left_by_a_killed_build_falls_back_instead_of_waiting(monke
 
     import torch.utils.cpp_extension
 
-    import runtime.kernels as kernels
+    import runtime.target.kernels as kernels
 
     monkeypatch.setattr(torch.utils.cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
     lock = tmp_path / "lock"
@@ -420,7 +420,7 @@ def test_a_build_lock_left_by_a_killed_build_falls_back_instead_of_waiting(monke
 def test_a_changed_header_names_another_build(monkeypatch, tmp_path):
     """torch's loader rebuilds a kernel when its source changes, not when a header it includes does; the headers'
     hash in the build's name makes a changed header build anew."""
-    import runtime.kernels as kernels
+    import runtime.target.kernels as kernels
 
     monkeypatch.setattr(kernels, "SOURCE_DIR", tmp_path)
     (tmp_path / "shared.h").write_text("constexpr int kRows = 12;\n")
@@ -433,7 +433,7 @@ def test_a_changed_header_names_another_build(monkeypatch, tmp_path):
 
 
 def test_cpus_with_avx512_bf16_run_the_attention_build_made_for_them():
-    from runtime.kernels import avx512_bf16_kernels
+    from runtime.target.kernels import avx512_bf16_kernels
 
     if not avx512_bf16_kernels():
         pytest.skip("the CPU (or torch's capability) has no AVX512-BF16")

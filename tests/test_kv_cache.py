@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from runtime.kv_cache import KVCache, compact_kv
+from runtime.engine.kv_cache import KVCache, compact_kv
 
 
 def filled_cache(batch=2, length=12):

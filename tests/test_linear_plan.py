@@ -8,11 +8,11 @@ import time
 import pytest
 import torch
 
-import runtime.decode_layers as decode_layers
-import runtime.linear_plan as linear_plan_module
-from runtime.decode_layers import PackedWeights, decode_linear
-from runtime.kernels import onednn_bf16_linear, pack_bf16_weight, pack_onednn_weight
-from runtime.linear_plan import STOCK, LinearPlan, choose_plan, default_plan, linear_plan, measure_linear_seconds
+import runtime.target.decode_layers as decode_layers
+import runtime.target.linear_plan as linear_plan_module
+from runtime.target.decode_layers import PackedWeights, decode_linear
+from runtime.target.kernels import onednn_bf16_linear, pack_bf16_weight, pack_onednn_weight
+from runtime.target.linear_plan import STOCK, LinearPlan, choose_plan, default_plan, linear_plan, measure_linear_seconds
 
 SMALL, LARGE = (8, 4), (64, 4)
 
@@ -125,7 +125,7 @@ def test_packed_weights_follow_their_plan_and_keep_the_values(monkeypatch, form)
 def test_fp32_weights_get_an_operand_order_plan_that_keeps_the_values(monkeypatch, tmp_path):
     """An fp32 model large enough to time gets a ``weight_major`` plan: no copies, weight @ rows^T where it says so,
     F.linear elsewhere, the same values either way; its decode layers give the stock model's logits."""
-    from runtime.decode_layers import DecodeLayers, packed_weights_for
+    from runtime.target.decode_layers import DecodeLayers, packed_weights_for
     from tests.conftest import tiny_model
 
     monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path))

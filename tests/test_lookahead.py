@@ -13,21 +13,21 @@ import torch
 from safetensors.torch import save_file
 
 import runtime.proposers.lookahead as lookahead_module
-from runtime.decoder import SpeculativeDecoder
-from runtime.proposers.base import ProposeInput, start_generation
+import runtime.proposers.successor_prior as successor_prior_module
+from runtime.engine.decoder import SpeculativeDecoder
+from runtime.proposers.base import ProposeInput
 from runtime.proposers import ProposerSpec, build_proposer
 from runtime.proposers.lookahead import (SUCCESSORS, LookaheadProposer, NgramPool, SuccessorPrior, chunked_topk,
-                                         SuccessorTable, blend_successors, choose_settings,
-                                         expected_tokens, jacobi_update, pass_rows, record_successors,
-                                         top_probabilities, window_mask, window_ngrams, window_offsets,
-                                         window_tokens)
+                                         SuccessorTable, blend_successors, choose_settings, expected_tokens,
+                                         jacobi_update, pass_rows, record_successors, top_probabilities, window_mask,
+                                         window_ngrams, window_offsets, window_tokens)
 from runtime.proposers.lookup_first import LookupFirstProposer
 from runtime.proposers.ngram import NgramProposer
 from runtime.proposers.spec import LookaheadSettings
-from runtime.sampling import SamplingParams
-from runtime.successor_prior import measure_successor_prior, prior_prefix, successor_prior
-from runtime.target import target_from_model
-from runtime.tree import Draft, Tree, draft_row_mask, verification_mask
+from runtime.engine.sampling import SamplingParams
+from runtime.proposers.successor_prior import measure_successor_prior, prior_prefix, successor_prior
+from runtime.target.model import target_from_model
+from runtime.engine.tree import Draft, Tree, draft_row_mask, verification_mask
 from tests.conftest import tiny_model
 from tests.script_runs import REPO, run_script
 
@@ -194,10 +194,10 @@ def test_recycled_successors_carry_from_one_generation_to_the_next():
     assert len(proposer.successors) >= recorded
     # a sampled generation keeps its own table, alone and behind lookup, so its seed alone decides what it draws
     for sampled in (proposer, LookupFirstProposer(proposer, NgramProposer())):
-        state = start_generation(sampled, torch.tensor(second), 40, SamplingParams(temperature=1.0))
+        state = sampled.start(torch.tensor(second), 40, SamplingParams(temperature=1.0))
         own = getattr(state, "head", state).successors
         assert own is not proposer.successors and len(own) == 0
-        greedy = start_generation(sampled, torch.tensor(second), 40, SamplingParams())
+        greedy = sampled.start(torch.tensor(second), 40, SamplingParams())
         assert getattr(greedy, "head", greedy).successors is proposer.successors
 
     fresh = LookaheadProposer(LookaheadSettings(1, 3, 1, 4, carry=False))
@@ -397,10 +397,10 @@ def test_a_proposer_asking_for_more_extra_rows_than_it_declares_is_refused():
         SpeculativeDecoder(target, proposer).generate([1, 2, 3], 4)
 
 
-# The command-line spellings, parsed in the interpreter the scripts run in (scripts/cli.py).
+# The command-line spellings, parsed in the interpreter the scripts run in (cli/args.py).
 PARSE = r"""
 import dataclasses, json, sys
-from cli import parse_methods, parse_proposer
+from cli.args import parse_methods, parse_proposer
 
 out = []
 for kind, text in json.loads(sys.argv[1]):
@@ -467,7 +467,7 @@ def test_a_prior_serves_tokens_never_recorded_and_mixes_into_a_tokens_entry():
 
 
 def test_a_priors_entries_read_as_tuples_are_kept_up_to_a_bound(monkeypatch):
-    monkeypatch.setattr(lookahead_module, "PRIOR_MEMO_CAPACITY", 2)
+    monkeypatch.setattr(successor_prior_module, "PRIOR_MEMO_CAPACITY", 2)
     prior = SuccessorPrior(torch.tensor([[1], [2], [0]]), torch.tensor([[0.5], [0.25], [1.0]]))
     assert [prior.entry(token) for token in (0, 1, 0)] == [((1, 0.5),), ((2, 0.25),), ((1, 0.5),)]
     assert len(prior._entries) == 2
@@ -494,7 +494,7 @@ def test_measured_prior_is_each_tokens_next_tokens_after_the_prefix(arch):
 def test_successor_prior_is_measured_once_and_read_back(tmp_path, monkeypatch):
     """The prior is cached (safetensors) per target and prefix and read back without measuring; lookahead built for
     a target takes it where it recycles successors and its settings ask for it."""
-    import runtime.successor_prior as module
+    import runtime.proposers.successor_prior as module
 
     monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path))
     tokenizer = SimpleNamespace(chat_template=None, bos_token_id=None, eos_token_id=2)
@@ -546,7 +546,7 @@ def test_successor_prior_is_measured_once_and_read_back(tmp_path, monkeypatch):
     assert successor_prior(target, budget_seconds=0.0) is None  # the verdict, without measuring
     monkeypatch.setattr(module, "measure_successor_prior", real_measure)
     assert torch.equal(successor_prior(target, budget_seconds=1e9).tokens, first.tokens)
-    monkeypatch.setattr(module, "successor_prior", lambda target: None)
+    monkeypatch.setattr(lookahead_module, "successor_prior", lambda target: None)  # the name lookahead calls
     assert LookaheadProposer.for_target(target, LookaheadSettings(1, 3, 1, 4)).successors.prior is None
     with pytest.raises(ValueError, match="prior must be True or False"):
         LookaheadSettings(1, 3, 1, 4, prior=1)

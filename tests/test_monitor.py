@@ -6,14 +6,15 @@ import warnings
 import pytest
 import torch
 
-from runtime.batched import BatchedDecoder
-from runtime.decoder import SpeculativeDecoder
-from runtime.monitor import AcceptanceMonitor, AcceptanceWarning, judged_drafter, monitor_for, trained_acceptance
-from runtime.proposers import NgramProposer, NoProposer, ProposerSpec, build_proposer
+from runtime.engine.batched import BatchedDecoder
+from runtime.engine.decoder import SpeculativeDecoder
+from runtime.engine.monitor import AcceptanceMonitor, AcceptanceWarning, judged_drafter, monitor_for, trained_acceptance
+from runtime.proposers import NgramProposer, NoProposer, Proposer, ProposerSpec, build_proposer
 from runtime.proposers.draft_model import DraftModelProposer
 from runtime.proposers.lookup_first import LookupFirstProposer
-from runtime.target import target_from_model
+from runtime.target.model import target_from_model
 from tests.conftest import tiny_model
+from runtime.engine.sizing import BatchSizing
 
 VOCAB = 64
 
@@ -75,9 +76,8 @@ def test_monitor_settings_are_checked():
 
 
 def test_trained_acceptance_is_the_heads_only():
-    class Head:
-        name, trained_acceptance = "eagle3", 0.7
-        hidden_layers, needs_hidden, expected_acceptance, tree_size = (), False, 0.7, None
+    class Head(Proposer):
+        name, trained_acceptance, expected_acceptance = "eagle3", 0.7, 0.7
 
     assert trained_acceptance(Head()) == 0.7
     assert trained_acceptance(LookupFirstProposer(Head(), NgramProposer())) == 0.7  # held to its head's rate
@@ -170,9 +170,10 @@ def test_decoders_hold_a_head_with_lookup_first_to_the_heads_passes(tmp_path):
     prompts = [list(range(10, 30)) * 3, [3, 9, 27, 17, 51, 25] * 4, [5, 6, 7]]
     for decoder, run in [(SpeculativeDecoder(target, proposer, tree_size=4),
                           lambda decoder: [decoder.generate(prompt, 60) for prompt in prompts]),
-                         (BatchedDecoder(target, proposer, tree_size=4, per_row_sizes=False),
+                         (BatchedDecoder(target, proposer, tree_size=4, sizing=BatchSizing(per_row_sizes=False)),
                           lambda decoder: decoder.generate(prompts, 60, batch_size=2)),
-                         (BatchedDecoder(target, proposer, tree_size=4, per_row_sizes=True, trial_passes=0),
+                         (BatchedDecoder(target, proposer,
+                                         sizing=BatchSizing(tree_size=4, per_row_sizes=True, trial_passes=0)),
                           lambda decoder: decoder.generate(prompts, 60, batch_size=2))]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", AcceptanceWarning)

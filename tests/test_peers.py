@@ -1,6 +1,6 @@
 """Readers other than ours: economize loads our EAGLE-3 and Medusa exports into an unmodified transformers model,
 drafts what our heads draft and decodes token-identically to greedy decoding; the peer decoders of the benchmark
-(runtime.peers) run. Needs the optional extra (``pip install -e ".[peers]"``): ``python -m pytest -m peers``."""
+(bench.peers) run. Needs the optional extra (``pip install -e ".[peers]"``): ``python -m pytest -m peers``."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import torch
 
 from heads.common import frozen_target_weights
 from heads.eagle3 import Eagle3Config, Eagle3Head
-from heads.io import export_head, save_head
+from heads.export import export_head
+from heads.io import save_head
 from heads.medusa import MedusaConfig, MedusaHeads
-from runtime.peers import PEERS_EXTRA, PeerDecoder, PeerMethod, missing_package
-from runtime.target import target_from_model
+from bench.peers import PEERS_EXTRA, PeerDecoder, PeerMethod, missing_package
+from runtime.target.model import target_from_model
 from tests.conftest import tiny_model
 
 LAYERS = 8

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.kv_cache import KVCache
-from runtime.ragged import RaggedRows
+from runtime.engine.kv_cache import KVCache
+from runtime.engine.ragged import RaggedRows
 
 
 def test_layout_by_hand():

@@ -8,17 +8,17 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import runtime.decoder
-from runtime.acceptance import rejection_accept
-from runtime.decoder import SpeculativeDecoder
+import runtime.engine.decoder
+from runtime.engine.acceptance import rejection_accept
+from runtime.engine.decoder import SpeculativeDecoder
 from runtime.proposers.draft_model import DraftModelProposer
 from runtime.proposers.lookahead import LookaheadProposer
 from runtime.proposers.lookup_first import LookupFirstProposer
 from runtime.proposers.ngram import NgramProposer
 from runtime.proposers.spec import LookaheadSettings
-from runtime.sampling import SamplingParams, processed_probs
-from runtime.successor_prior import measure_successor_prior
-from runtime.target import target_from_model
+from runtime.engine.sampling import SamplingParams, processed_probs
+from runtime.proposers.successor_prior import measure_successor_prior
+from runtime.target.model import target_from_model
 from tests.conftest import tiny_model
 from tests.proposers_for_tests import RandomProposer
 
@@ -120,9 +120,9 @@ def test_a_broken_acceptance_rule_is_detected(monkeypatch):
                 break
         return path, int(torch.multinomial(target_probs[node], 1, generator=generator))
 
-    monkeypatch.setattr(runtime.decoder, "rejection_accept", accept_without_residual)
+    monkeypatch.setattr(runtime.engine.decoder, "rejection_accept", accept_without_residual)
     assert empirical_p_value(PROPOSERS["draft-chain-sampled"], SamplingParams(temperature=1.0)) < 1e-6
-    monkeypatch.setattr(runtime.decoder, "rejection_accept", rejection_accept)
+    monkeypatch.setattr(runtime.engine.decoder, "rejection_accept", rejection_accept)
 
 
 @pytest.mark.gpu
@@ -136,7 +136,7 @@ def test_distribution_matches_target_on_cuda(name):
 def test_random_draws_use_a_cpu_generator_whatever_the_device():
     """The CPU twin of the CUDA path: the decoder's generator is a CPU one, so draws do not depend on the device
     and go through the same code (a CUDA generator cannot drive the CPU draws of the acceptance test)."""
-    from runtime.sampling import new_generator, sample
+    from runtime.engine.sampling import new_generator, sample
 
     generator = new_generator(7)
     assert generator.device.type == "cpu"

@@ -1,6 +1,6 @@
 """The command-line scripts end to end (run as a user runs them, in a subprocess), and the library they call
-(runtime.benchmark, runtime.prompts, runtime.proposers.ProposerSpec), on a tiny random model that uses the default
-target's tokenizer."""
+(bench: methods, HF baselines, harness, divergence reports, prompts; runtime.engine.prompts,
+runtime.proposers.ProposerSpec), on a tiny random model that uses the default target's tokenizer."""
 
 import copy
 import dataclasses
@@ -11,10 +11,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from runtime.benchmark import (DecoderMethod, ForwardCounter, HFBaseline, HFModels, early_exit_layers,
-                               first_divergence, method_from_json, method_to_json, run_hf)
+from bench.divergence import first_divergence
+from bench.hf import ForwardCounter, HFModels, run_hf
+from bench.methods import DecoderMethod, HFBaseline, early_exit_layers, method_from_json, method_to_json
 from runtime.proposers import NgramProposer, NoProposer, ProposerSpec, build_proposer
-from runtime.target import load_target
+from runtime.target.model import load_target
 from tests.conftest import tiny_model
 from tests.script_runs import REPO, default_tokenizer, run_script, save_tiny_model
 
@@ -69,7 +70,7 @@ def test_generate_script_draws_independent_samples_and_reproduces_them(tiny_dir,
 
 
 def test_prompt_seeds_differ_for_every_prompt_and_sample_and_repeat_for_the_same_run():
-    from runtime.prompts import prompt_seed
+    from runtime.engine.prompts import prompt_seed
 
     seeds = [prompt_seed(7, prompt, sample) for prompt in range(200) for sample in range(5)]
     assert len(set(seeds)) == len(seeds) and all(0 <= seed < 2 ** 63 for seed in seeds)
@@ -124,7 +125,7 @@ def test_generate_script_stops_at_the_chat_templates_end_of_turn_token(tmp_path)
 
 
 def test_end_of_turn_tokens_are_the_chat_templates_markers_and_eos(tiny_dir):
-    from runtime.prompts import end_of_turn_token_ids
+    from runtime.engine.prompts import end_of_turn_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -157,7 +158,7 @@ def test_benchmark_script_reports_every_method(tiny_dir, tmp_path):
 
 
 def test_benchmark_runs_hf_greedy_in_bf16_beside_fp32(tiny_dir, tmp_path):
-    from runtime.benchmark import rescore
+    from bench.divergence import rescore
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["one two one two", "abc abc abc"]))
@@ -238,7 +239,7 @@ def test_prepare_data_writes_the_first_turns_of_the_conversations_asked_for(tmp_
     out = tmp_path / "prompts.jsonl"
     args = ["prompts", "--out", out, "--skip", "1", "--count", "3", "data.source=json", f"data.path={data}"]
     run_script("prepare_data.py", *args)
-    from runtime.prompts import read_prompts
+    from bench.prompts import read_prompts
 
     assert read_prompts(out) == [{"id": n, "prompt": f"question {n}"} for n in (1, 2, 3)]
     refused = run_script("prepare_data.py", *args, check=False)
@@ -252,11 +253,11 @@ def test_vocab_projection_benchmark_prints_every_row_count():
     assert [line.split("|")[2].strip() for line in rows] == ["1", "3"]
 
 
-# The scripts' command-line spellings (scripts/cli.py), parsed in the interpreter the scripts run in.
+# The scripts' command-line spellings (cli/args.py), parsed in the interpreter the scripts run in.
 PARSE = r"""
 import dataclasses, json, sys
-from cli import check_early_exit, parse_method, parse_proposer
-from runtime.benchmark import HFBaseline, method_to_json
+from cli.args import check_early_exit, parse_method, parse_proposer
+from bench.methods import HFBaseline, method_to_json
 
 out = []
 for kind, text, kwargs in json.loads(sys.argv[1]):
@@ -370,7 +371,7 @@ def test_first_divergence():
 
 
 def test_divergence_report_scores_the_first_differing_token(tiny_dir):
-    from runtime.benchmark import divergence_report
+    from bench.divergence import divergence_report
 
     model = load_target(str(tiny_dir), attn_implementation="sdpa", quiet=True).model
     ids = torch.tensor([5, 6, 7])
@@ -398,7 +399,7 @@ def test_divergence_report_scores_the_first_differing_token(tiny_dir):
 
 def test_divergence_report_counts_the_bf16_baselines_rounding(tiny_dir):
     """A float32 method that differs from a bf16 HF greedy run: the baseline's rounding decides the near-tie."""
-    from runtime.benchmark import divergence_report, rounding_step
+    from bench.divergence import divergence_report, rounding_step
 
     model = load_target(str(tiny_dir), attn_implementation="sdpa", quiet=True).model
     bf16 = load_target(str(tiny_dir), dtype="bfloat16", attn_implementation="sdpa", quiet=True).model
@@ -448,10 +449,10 @@ def test_hf_baselines_run_on_the_targets_own_model_and_load_other_dtypes_once(ti
 
 
 def test_benchmark_output_keeps_the_finished_prompts_of_a_run_that_dies(tiny_dir, tmp_path, monkeypatch):
-    import runtime.benchmark as benchmark
+    import bench.harness as harness
 
     calls = []
-    real_run_ours = benchmark.run_ours
+    real_run_ours = harness.run_ours
 
     def dies_on_the_second_prompt(*args):
         calls.append(1)
@@ -459,13 +460,13 @@ def test_benchmark_output_keeps_the_finished_prompts_of_a_run_that_dies(tiny_dir
             raise KeyboardInterrupt
         return real_run_ours(*args)
 
-    monkeypatch.setattr(benchmark, "run_ours", dies_on_the_second_prompt)
+    monkeypatch.setattr(harness, "run_ours", dies_on_the_second_prompt)
     prompts = [{"id": index, "prompt": p} for index, p in enumerate(["one two one two", "abc abc abc", "x y"])]
     out = tmp_path / "results.json"
     target = load_target(str(tiny_dir), quiet=True)
     with pytest.raises(KeyboardInterrupt):
-        benchmark.run_benchmark(target, str(tiny_dir), {"ngram": DecoderMethod(ProposerSpec("ngram"))}, prompts, out,
-                                max_new_tokens=8, progress=False)
+        harness.run_benchmark(target, str(tiny_dir), {"ngram": DecoderMethod(ProposerSpec("ngram"))}, prompts, out,
+                              max_new_tokens=8, progress=False)
     results = json.loads(out.read_text())
     assert results["config"]["n_prompts_done"] == 1 and len(results["records"]) == 1
     assert set(results["methods"]) == {"hf-greedy", "ngram"}  # the baseline was added
@@ -478,7 +479,7 @@ def test_benchmark_output_keeps_the_finished_prompts_of_a_run_that_dies(tiny_dir
 
 
 def test_prompt_batches_are_left_padded_and_left_truncated_without_changing_the_tokenizer(tiny_dir):
-    from runtime.prompts import batch_pad_token_id, encode_prompt_batch
+    from runtime.engine.prompts import batch_pad_token_id, encode_prompt_batch
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
     short, long = "the sea", " ".join(["a long question about the sea"] * 8) + " assistant:"

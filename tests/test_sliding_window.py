@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.attention import sliding_window_mask
-from runtime.decoder import SpeculativeDecoder
-from runtime.target import target_from_model
+from runtime.target.attention import sliding_window_mask
+from runtime.engine.decoder import SpeculativeDecoder
+from runtime.target.model import target_from_model
 from tests.conftest import SLIDING_WINDOW, tiny_model
 from tests.test_greedy_equality import proposers
 from tests.test_head_proposers import head_proposers

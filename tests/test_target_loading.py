@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from runtime.target import _float_cache_for_gguf, load_target
+from runtime.target.model import _float_cache_for_gguf, load_target
 from tests.conftest import tiny_model
 
 
@@ -44,8 +44,8 @@ def test_attention_the_tree_attention_would_not_apply_is_refused():
     import torch
     from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
-    from runtime.attention import transformers_attention_forward
-    from runtime.target import target_from_model
+    from runtime.target.attention import transformers_attention_forward
+    from runtime.target.model import target_from_model
 
     model = tiny_model("llama")
     model.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))
@@ -71,8 +71,8 @@ def test_a_rotary_embedding_that_rescales_per_pass_limits_the_context():
     """LongRoPE (and dynamic NTK) pick their frequencies from the longest position of a pass: past the original
     context, a verification pass's drafts would change what its accepted tokens saw. The decoder stops there, and
     says why."""
-    from runtime.decoder import SpeculativeDecoder
-    from runtime.target import target_from_model
+    from runtime.engine.decoder import SpeculativeDecoder
+    from runtime.target.model import target_from_model
 
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
             "short_factor": [1.0] * 4, "long_factor": [4.0] * 4}
@@ -91,7 +91,7 @@ def test_a_composite_models_attention_settings_come_back_after_a_pass(monkeypatc
     import torch
     from transformers import LlamaConfig
 
-    from runtime.target import target_from_model
+    from runtime.target.model import target_from_model
 
     model = tiny_model("llama")
     config = model.config

@@ -14,8 +14,7 @@ from heads.eagle3 import Eagle3Config, Eagle3Head
 from training.draft_vocab import build_draft_vocab, count_tokens, draft_to_target_ids, target_to_draft_ids
 from training.losses import (decay_weights, feature_regression_loss, hard_cross_entropy, soft_cross_entropy,
                              sparse_soft_cross_entropy)
-from training.masks import (ChainCache, chain_attention_mask, next_token_mask, reply_ends, run_lengths,
-                            shift_left)
+from training.masks import ChainCache, chain_attention_mask, next_token_mask, reply_ends, run_lengths, shift_left
 from training.metrics import acceptance_counts, acceptance_rates, decoding_tau, decoding_walk
 
 
@@ -171,7 +170,7 @@ def test_training_time_test_equals_sequential_drafting():
 
 
 def test_greedy_branches_equal_greedy_decoding():
-    from runtime.target import target_from_model
+    from runtime.target.model import target_from_model
     from training.evaluate import greedy_branches
 
     model = tiny_llama(layers=2, seed=3)
@@ -221,10 +220,10 @@ def test_target_distribution_table_equals_direct_computation():
 def test_evaluation_calls_the_head_only_inside_the_objectives_forward(head_type):
     """ZeRO-3 partitions the head's parameters and gathers them for the module calls it sees inside the engine
     module's forward: an evaluation must call every head module from there, as training does."""
-    from runtime.target import target_from_model
-    from training.config import EvalConf, Eagle3HeadConf, EagleHeadConf, MedusaHeadConf
+    from runtime.target.model import target_from_model
+    from training.config import EvalConf
     from training.evaluate import evaluate_acceptance, prepare_batch
-    from training.objectives import HeadObjective
+    from training.objectives import Eagle3HeadConf, EagleHeadConf, MedusaHeadConf, build_objective
     from training.recipe import training_head
 
     target = target_from_model(tiny_llama(layers=2, seed=3))
@@ -232,7 +231,7 @@ def test_evaluation_calls_the_head_only_inside_the_objectives_forward(head_type)
                                                                      ttt_steps=2),
                  "medusa": MedusaHeadConf(num_heads=2)}[head_type]
     head = training_head(head_conf, target, None)
-    objective = HeadObjective(head, head_conf, target.lm_head.weight, target.softcap)
+    objective = build_objective(head, head_conf, target.lm_head.weight, target.softcap)
     torch.manual_seed(0)
     ids = torch.randint(0, 48, (2, 10))
     mask = torch.arange(10)[None].expand(2, -1) >= 4
@@ -257,7 +256,7 @@ def test_evaluation_calls_the_head_only_inside_the_objectives_forward(head_type)
 def test_medusa_is_scored_on_the_rows_the_runtime_drafts_from():
     """The runtime drafts from the hidden state before the root (the root: an assistant token), so held-out rows
     are those whose next token is the assistant's: the last prompt position counts, the reply's last does not."""
-    from training.evaluate import medusa_matches
+    from training.objectives import medusa_matches
 
     class Heads:  # head i answers with the row's position plus 10 i, as a token id
         num_heads = 2
@@ -280,7 +279,7 @@ def test_norm_scale_is_the_weight_for_llama_norms_and_one_plus_it_for_gemma():
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from training.recipe import norm_scale
+    from training.objectives import norm_scale
 
     weight = torch.tensor([0.5, -0.25, 2.0])
     llama, gemma = LlamaRMSNorm(3), GemmaRMSNorm(3)
@@ -347,9 +346,9 @@ def test_target_distribution_with_the_vocab_screen_equals_the_full_product():
 def test_eagle3_loss_is_the_same_with_the_vocab_screen(monkeypatch, hard):
     """Where the bf16 screen pays (CPUs with bf16 matrix instructions) an EAGLE-3 objective with a draft vocabulary
     uses it; its loss and statistics are those of the full fp32 product, on any CPU."""
-    import training.objectives as objectives
-    from runtime.target import target_from_model
-    from training.config import Eagle3HeadConf
+    import training.objectives.base as objective_base
+    from runtime.target.model import target_from_model
+    from training.objectives import Eagle3HeadConf, build_objective
     from training.recipe import training_head
 
     target = target_from_model(tiny_llama(layers=2, seed=5))
@@ -365,8 +364,8 @@ def test_eagle3_loss_is_the_same_with_the_vocab_screen(monkeypatch, hard):
              "layer_hidden": torch.cat([out.hidden_states[i] for i in (0, 1, 1)], dim=-1)}
     results = {}
     for screened in (False, True):
-        monkeypatch.setattr(objectives, "bf16_screening_pays", lambda device, screened=screened: screened)
-        objective = objectives.HeadObjective(head, head_conf, target.lm_head.weight, target.softcap)
+        monkeypatch.setattr(objective_base, "bf16_screening_pays", lambda device, screened=screened: screened)
+        objective = build_objective(head, head_conf, target.lm_head.weight, target.softcap)
         assert (objective._vocab_screen(head.draft_to_target) is not None) == screened
         results[screened] = objective(batch)
     torch.testing.assert_close(results[True][0], results[False][0])

@@ -12,8 +12,9 @@ import pytest
 import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-from training.config import (CONFIG_DIR, Eagle3HeadConf, EagleHeadConf, MedusaHeadConf, TrainConfig, compose_config,
-                             compose_many, find_config_dir, validate)
+from heads.registry import HEAD_TYPES
+from training.config import CONFIG_DIR, TrainConfig, compose_config, compose_many, find_config_dir, validate
+from training.objectives import OBJECTIVES, Eagle3HeadConf, EagleHeadConf, MedusaHeadConf, objective_class
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,6 +46,21 @@ def test_every_group_option_composes_with_every_head(tmp_path):
         assert config.tracker.kind == tracker
         assert config.data.source == {"selfdistill": "json"}.get(data, data)
         validate(config)
+
+
+def test_every_head_type_has_an_objective_and_an_unknown_one_is_named():
+    """The objective registry owns each head type's training parts: it names every head type the heads know, each
+    objective trains its own type with its own schema, and an unknown type gets an error listing the known ones."""
+    assert sorted(OBJECTIVES) == sorted(HEAD_TYPES)
+    for head_type, objective in OBJECTIVES.items():
+        assert objective_class(head_type) is objective and objective.head_type == head_type
+        assert objective.conf_class().head_type == head_type
+    with pytest.raises(ValueError, match="head type 'hydra'; choose one of eagle, eagle3, medusa"):
+        objective_class("hydra")
+    head = torch.nn.Module()
+    head.head_type = "medusa"
+    with pytest.raises(ValueError, match="EagleObjective cannot train a medusa head: .*build_objective"):
+        OBJECTIVES["eagle"](head, EagleHeadConf(), torch.zeros(2, 2), None)
 
 
 def test_defaults_are_the_embedded_ones():
@@ -164,7 +180,8 @@ def test_the_wheel_ships_every_package_and_config():
     tomllib = pytest.importorskip("tomllib")
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     on_disk = {str(path.parent.relative_to(ROOT)).replace("/", ".")
-               for top in ("heads", "runtime", "training") for path in (ROOT / top).rglob("__init__.py")}
+               for top in ("heads", "runtime", "bench", "training", "cli")
+               for path in (ROOT / top).rglob("__init__.py")}
     assert on_disk | {"training.conf"} == set(setuptools["packages"])
     assert setuptools["package-dir"] == {"training.conf": "conf"}
     globs = setuptools["package-data"]["training.conf"]
@@ -172,6 +189,9 @@ def test_the_wheel_ships_every_package_and_config():
     assert shipped == set((ROOT / "conf").rglob("*.yaml")) and (ROOT / "conf" / "train.yaml") in shipped
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["headstart-train"] == "training.train:main"
+    for command in ("generate", "export", "benchmark", "eval_head", "prepare_data"):  # every command, installed
+        assert scripts[f"headstart-{command.replace('_', '-')}"] == f"cli.{command}:main"
+        assert (ROOT / "scripts" / f"{command}.py").read_text().count("\n") < 12  # a wrapper of it
 
 
 def test_checkpoint_and_feature_store_settings_are_compared_by_name():

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import subprocess
@@ -96,7 +97,7 @@ def check_held_out_acceptance(tiny, run_dir: Path, final_eval: dict, head_type: 
     """The trained head, loaded back and scored outside the trainer (as scripts/eval_head.py scores any head), gets
     the acceptance the run's final evaluation reported."""
     from heads.formats import load_any_head
-    from runtime.target import load_target
+    from runtime.target.model import load_target
     from training.evaluate import held_out_acceptance
 
     conf = compose_config(tiny_overrides(*tiny, run_dir, head_type))
@@ -113,7 +114,7 @@ def check_held_out_acceptance(tiny, run_dir: Path, final_eval: dict, head_type: 
 def check_decoding_tau_is_the_runtimes(target, head, conf) -> None:
     """The walk over teacher-forced ranks (``decoding_tau`` of ``tree_accepted``) gets the very tau the runtime gets
     decoding the same replies greedily with the same static tree: tokens, passes and where each pass drafts."""
-    from runtime.decoder import SpeculativeDecoder
+    from runtime.engine.decoder import SpeculativeDecoder
     from runtime.proposers.medusa import MedusaProposer, closed_choices, tree_accepted
     from training.data import build_splits
     from training.evaluate import reply_samples, samples_acceptance
@@ -186,7 +187,7 @@ def eval_head_report(args: list) -> dict:
 def check_shipping(run_dir: Path, into: Path, target_dir: Path) -> None:
     """scripts/ship_head.py stores the head in bf16 with its training record; it loads into a proposer."""
     from runtime.proposers import ProposerSpec, build_proposer
-    from runtime.target import load_target
+    from runtime.target.model import load_target
 
     data_command = "python scripts/prepare_data.py selfdistill --out sd.jsonl"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "ship_head.py"), str(run_dir), "tiny-medusa", "--into",
@@ -214,10 +215,32 @@ def check_shipping(run_dir: Path, into: Path, target_dir: Path) -> None:
     assert (into / "notes" / "mine.txt").read_text() == "keep" and (run_dir / "head" / "config.json").is_file()
 
 
+def test_shipping_takes_a_measured_tree_only_from_an_eval_head_report_for_a_medusa_head(tmp_path):
+    """training.ship refuses a report that is not scripts/eval_head.py's, a static tree for a head type without one
+    and paths the runtime would not load, each with a ValueError naming the report (scripts/ship_head.py prints it
+    after --rank-paths)."""
+    from training.ship import rank_paths_tree
+
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"tree": {"rank_paths": [[0], [0, 0], [1]], "rank_path_frequencies": [0.5, 0.2, 0.1]},
+                                  "positions": 8, "scored_on": "replies"}))
+    medusa = {"head_type": "medusa", "head_config": {"num_heads": 2}}
+    tree = rank_paths_tree(report, medusa)
+    assert tree["rank_paths"] == [[0], [0, 0], [1]] and tree["rank_path_frequencies"] == [0.5, 0.2, 0.1]
+    assert tree["rank_paths_measured_on"] == {"scored_on": "replies", "prompts": None, "positions": 8, "head": None}
+    with pytest.raises(ValueError, match=re.escape(f"{report}: the head is eagle3, and only a Medusa head has")):
+        rank_paths_tree(report, {"head_type": "eagle3", "head_config": {}})
+    with pytest.raises(ValueError, match=re.escape(f"{report}: Medusa rank path 1 [0, 0] is empty or longer")):
+        rank_paths_tree(report, {"head_type": "medusa", "head_config": {"num_heads": 1}})
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(ValueError, match="other.json: not a Medusa report of scripts/eval_head.py --out"):
+        rank_paths_tree(tmp_path / "other.json", medusa)
+
+
 def test_offline_features_match_online(tiny, tmp_path):
     from training.data import collate, load_splits
     from training.features import OfflineFeatures, extract_offline, target_features, write_manifest
-    from runtime.target import load_target
+    from runtime.target.model import load_target
 
     target_dir, data = tiny
     conf = compose_config(tiny_overrides(target_dir, data, tmp_path / "run", "eagle3"))
@@ -267,7 +290,7 @@ def test_medusa2_lora_keeps_base_weights_and_merges(tiny, tmp_path):
     expected = with_adapter(input_ids=ids).logits
     merged = with_adapter.merge_and_unload()
     torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
-    from runtime.target import target_from_model
+    from runtime.target.model import target_from_model
 
     wrapped = target_from_model(merged)
     positions = torch.arange(12)[None].expand(2, -1)
@@ -387,7 +410,7 @@ def test_resume_says_what_it_continues(tiny, tmp_path):
 
 
 def test_offline_store_refuses_features_of_other_settings(tiny, tmp_path):
-    from runtime.target import load_target
+    from runtime.target.model import load_target
     from training.data import load_splits
     from training.engine import Dist
     from training.features import prepare_offline_store
@@ -533,7 +556,7 @@ def test_self_distillation_regenerates_replies_and_resumes(tiny, tmp_path):
 
 
 def test_self_distillation_prompts_keep_their_end(tiny):
-    from runtime.target import load_target
+    from runtime.target.model import load_target
     from training.selfdistill import prompt_ids
 
     tokenizer = load_target(str(tiny[0])).tokenizer
@@ -550,7 +573,7 @@ def test_self_distilled_replies_are_the_targets_own_at_any_batch_size(tiny, tmp_
     """Greedy replies are the target's greedy replies (HF generate alone); sampled ones come from each
     conversation's own seed, so the batch size (which conversations share a pass) changes nothing."""
     from runtime.proposers import ProposerSpec
-    from runtime.target import load_target
+    from runtime.target.model import load_target
     from training.selfdistill import DistillSettings, prompt_ids, self_distill
 
     target_dir, data = tiny
@@ -626,7 +649,7 @@ def test_features_recorded_while_self_distilling_train_a_head(tiny, tmp_path):
     from the passes that generated it; they equal a fresh target forward; a resumed run adds no sample twice; a
     training run reads them as its data and features (no target pass); other settings are refused."""
     from runtime.proposers import ProposerSpec
-    from runtime.target import load_target
+    from runtime.target.model import load_target
     from training.features import target_features
     from training.recorded import RecordedStore
     from training.selfdistill import DistillSettings, prompt_ids, self_distill
@@ -698,7 +721,7 @@ def test_hard_targets_and_eagle3_feature_noise_reach_training(tiny, tmp_path):
     """The levers head.targets=hard and (EAGLE-3) head.noise_std reach the objective (their losses are tested by
     hand in test_training_algorithms.py); the noise changes what four steps learn; a bad value is a configuration
     error."""
-    from training.objectives import HeadObjective
+    from training.objectives import build_objective
 
     common = ["eval.at_start=false", "trainer.lr=3e-3"]
     run_config(tiny, tmp_path / "plain", "eagle3", 4, common)
@@ -709,6 +732,6 @@ def test_hard_targets_and_eagle3_feature_noise_reach_training(tiny, tmp_path):
     conf = compose_config(tiny_overrides(target, data, tmp_path / "hard", "medusa", extra=["head.targets=hard"]))
     head = torch.nn.Module()
     head.head_type = "medusa"
-    assert HeadObjective(head, conf.head, torch.zeros(2, 2), None).hard
+    assert build_objective(head, conf.head, torch.zeros(2, 2), None).hard
     with pytest.raises(ValueError, match="head.targets='greedy'"):
         run_config(tiny, tmp_path / "bad", "eagle3", 1, ["head.targets=greedy"])

@@ -1,6 +1,6 @@
 import torch
 
-from runtime.tree import Tree, keep_best_nodes, select_frontier, verification_mask
+from runtime.engine.tree import Tree, keep_best_nodes, select_frontier, verification_mask
 
 
 def hand_tree():

@@ -1,7 +1,8 @@
 """The typed training configuration (Hydra structured configs), composed from conf/ in one place.
 
-Groups: head (eagle, eagle3, medusa), target, data, deepspeed, tracker. Every group file starts from the schema
-below, so an unknown key or a wrong type fails at composition with Hydra's error naming the key.
+Groups: head (eagle, eagle3, medusa), target, data, deepspeed, tracker. Every group file starts from a schema, so
+an unknown key or a wrong type fails at composition with Hydra's error naming the key: the schemas below, and each
+head type's own (its objective's ``conf_class``: training/objectives/).
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING
+
+from heads.registry import HEAD_TYPES
+from training.objectives import OBJECTIVES
 
 CONFIG_NAME = "train"
 
@@ -28,63 +32,6 @@ def find_config_dir(package_dir: Path) -> Path:
 
 
 CONFIG_DIR = str(find_config_dir(Path(__file__).resolve().parent))
-
-
-@dataclass
-class HeadConf:
-    head_type: str = MISSING  # the heads.registry name; set by the head group (head=eagle|eagle3|medusa)
-    lr: float = 1e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    targets: str = "soft"  # soft: the target's whole next-token distribution; hard: its greedy token only
-
-
-@dataclass
-class EagleHeadConf(HeadConf):
-    """EAGLE-1/2: SmoothL1 on the next feature (feature_weight) + soft CE on the target's distribution (ce_weight)."""
-
-    head_type: str = "eagle"
-    num_layers: int = 1
-    feature_weight: float = 1.0
-    ce_weight: float = 0.1
-    noise_std: float = 0.2  # uniform noise on input features, width noise_std
-
-
-@dataclass
-class Eagle3HeadConf(HeadConf):
-    """EAGLE-3: fused low/mid/high features, draft vocabulary, training-time test over ttt_steps unrolled steps."""
-
-    head_type: str = "eagle3"
-    feature_layers: list[int] = field(default_factory=list)  # empty: inputs of layers 2, N//2, N-3
-    draft_vocab_size: int = 8192  # 0: the target's whole vocabulary
-    ttt_steps: int = 7
-    loss_decay: float = 0.8
-    noise_std: float = 0.0  # uniform noise on the fused input features, width noise_std (EAGLE's; 0: none)
-    init_lm_head: bool = True  # start the draft LM head and norm from the target's (rows of the draft vocabulary)
-
-
-@dataclass
-class LoraConf:
-    """Medusa-2: train LoRA adapters of the target jointly, keeping the target's own LM loss."""
-
-    enabled: bool = False
-    r: int = 8
-    alpha: int = 16
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    lm_loss_weight: float = 1.0
-
-
-@dataclass
-class MedusaHeadConf(HeadConf):
-    head_type: str = "medusa"
-    num_heads: int = 4
-    num_layers: int = 1
-    shared_lm_head: bool = True
-    loss_decay: float = 0.8
-    lr: float = 1e-3
-    lora: LoraConf = field(default_factory=LoraConf)
 
 
 @dataclass
@@ -194,9 +141,8 @@ def register_configs() -> None:
 
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
-    store.store(group="head", name="schema_eagle", node=EagleHeadConf)
-    store.store(group="head", name="schema_eagle3", node=Eagle3HeadConf)
-    store.store(group="head", name="schema_medusa", node=MedusaHeadConf)
+    for head_type, objective in OBJECTIVES.items():  # conf/head/NAME.yaml starts from schema_NAME
+        store.store(group="head", name=f"schema_{head_type}", node=objective.conf_class)
     for group, node in (("target", TargetConf), ("data", DataConf), ("deepspeed", DeepSpeedConf),
                         ("tracker", TrackerConf)):
         store.store(group=group, name=f"schema_{group}", node=node)
@@ -224,8 +170,6 @@ def to_typed(config) -> TrainConfig:
 
 def validate(config: TrainConfig) -> None:
     """Value checks Hydra's types cannot express; each error names the key and the fix."""
-    from heads.registry import HEAD_TYPES
-
     problems = []
     if config.head.head_type not in HEAD_TYPES:
         problems.append(f"head.head_type={config.head.head_type!r}: choose one of "

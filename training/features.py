@@ -25,8 +25,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from heads.common import tokenizer_fingerprint
-from runtime.assets import cache_dir
-from runtime.target import parse_dtype
+from runtime.target.assets import cache_dir
+from runtime.target.model import parse_dtype
 from training import engine as ds
 from training.data import cache_key
 

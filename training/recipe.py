@@ -37,16 +37,15 @@ from heads.common import frozen_target_weights, target_signature, tokenizer_fing
 from heads.formats import load_any_head
 from heads.io import save_head
 from heads.registry import build_head, head_class
-from runtime.target import Target, load_target
+from runtime.target.model import Target, load_target
 from training import checkpoints
 from training import engine as ds
 from training.config import TrainConfig, validate
 from training.data import SampleOrder, collate, load_splits, pad_token_id
-from training.draft_vocab import build_draft_vocab, count_tokens
 from training.evaluate import eval_depth, evaluate_acceptance, evaluation_batches, prepare_batch
 from training.features import OfflineFeatures, prepare_offline_store, target_features
 from training.metrics import acceptance_rates
-from training.objectives import HeadObjective
+from training.objectives import HeadObjective, build_objective, objective_class
 from training.recorded import RecordedFeatures, RecordedStore
 from training.tracking import Tracker
 
@@ -121,8 +120,8 @@ class TrainRecipe:
         self.feature_layers = head.feature_layers
         self.lora_model = self.setup_lora()
         lora_target = None if self.lora_model is None else self.lora_model.base_model.model
-        self.objective = HeadObjective(head, conf.head, self.target.lm_head.weight, self.target.softcap,
-                                       lora_target=lora_target, pad_id=self.pad_id)
+        self.objective = build_objective(head, conf.head, self.target.lm_head.weight, self.target.softcap,
+                                         lora_target=lora_target, pad_id=self.pad_id)
         self.offline = None
         if conf.features.mode == "offline":
             store = prepare_offline_store(conf, self.target, self.train_split, self.feature_layers, self.pad_id,
@@ -346,41 +345,23 @@ class TrainRecipe:
 def training_head(head_conf, target: Target, train_split) -> nn.Module:
     """The untrained head of ``conf.head``, attached to the target's frozen weights.
 
-    Its architecture is the head type's ``config_class`` with each field read from ``conf.head`` by name. EAGLE-3
-    also gets its draft vocabulary (the most frequent assistant tokens of the training split) and, with
-    ``init_lm_head``, the target's LM head rows and final norm; Medusa's own LM heads (not shared) start as the
-    target's.
+    Its architecture is the head type's ``config_class`` with each field read from ``conf.head`` by name; the rest
+    is the head type's own setup (``HeadObjective.setup_head``: EAGLE-3's draft vocabulary from the training split
+    and, with ``init_lm_head``, the target's LM head rows and final norm; Medusa's own LM heads start as the
+    target's).
     """
     config_class = head_class(head_conf.head_type).config_class
     options = {field.name: getattr(head_conf, field.name) for field in dataclasses.fields(config_class)
                if hasattr(head_conf, field.name)}
-    vocab = target.vocab_size
-    if options.get("draft_vocab_size") == vocab:
+    if options.get("draft_vocab_size") == target.vocab_size:
         options["draft_vocab_size"] = 0  # the whole vocabulary is no draft vocabulary
     try:
         head = build_head(head_conf.head_type, options, target.config)
     except ValueError as error:
         raise ValueError(f"head={head_conf.head_type} with {options}: {error}") from None
-    embed, lm_head = frozen_target_weights(target.model)
-    head.attach_target_weights(embed, lm_head)
-    if head.head_type == "eagle3":
-        if head.draft_vocab_size < vocab:
-            counts = count_tokens(train_split["input_ids"], train_split["assistant_mask"], vocab)
-            head.set_draft_vocab(*build_draft_vocab(counts, head.draft_vocab_size))
-        if head_conf.init_lm_head:
-            final_norm = getattr(target.model.get_decoder(), "norm", None)
-            head.init_output_from_target(lm_head, None if final_norm is None else norm_scale(final_norm))
-    if head.head_type == "medusa" and not head.config.shared_lm_head:
-        head.attach_target_weights(embed, lm_head, init_heads=True)
+    head.attach_target_weights(*frozen_target_weights(target.model))
+    objective_class(head.head_type).setup_head(head, head_conf, target, train_split)
     return head
-
-
-def norm_scale(norm: nn.Module) -> torch.Tensor:
-    """[H]: the per-channel scale ``norm`` (an RMSNorm) applies to an input of unit RMS: its weight for the Llama
-    formula, 1 + weight for Gemma's. A head's Llama-style norm starts as the target's final norm with this weight."""
-    weight = norm.weight
-    with torch.no_grad():
-        return norm(torch.ones(1, weight.shape[0], dtype=weight.dtype, device=weight.device))[0].detach()
 
 
 def saved_head(directory: str, built: nn.Module, target: Target) -> nn.Module:

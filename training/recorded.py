@@ -34,8 +34,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from heads.eagle3 import default_feature_layers
 from training.features import pad_features, write_json
+from training.objectives import objective_class
 
 RECORDING = "recording.json"
 RECORDING_SETTINGS = ("target", "tokenizer", "feature_layers", "dtype", "chat_template", "max_length",
@@ -45,10 +45,9 @@ SAMPLE = re.compile(r"^c(\d+)\.t(\d+)$")
 
 def recorded_layers(head_conf, num_layers: int) -> list[int]:
     """The target layers whose inputs a store made for ``head_conf`` records: EAGLE-3's fused layers (its
-    configured ones, else the default), none for EAGLE and Medusa (they read only the last hidden state)."""
-    if head_conf.head_type != "eagle3":
-        return []
-    return [int(i) for i in head_conf.feature_layers] or default_feature_layers(num_layers)
+    configured ones, else the default), none for EAGLE and Medusa (they read only the last hidden state): the head
+    type's ``HeadObjective.feature_layers``."""
+    return objective_class(head_conf.head_type).feature_layers(head_conf, num_layers)
 
 
 def sample_key(conversation: int, turn: int) -> str:

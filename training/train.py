@@ -9,14 +9,13 @@ prints the composed config); the run itself is training/recipe.py.
 import hydra
 
 from training.config import CONFIG_DIR, CONFIG_NAME, register_configs, to_typed
+from training.recipe import train
 
 register_configs()
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name=CONFIG_NAME)
 def main(config) -> None:
-    from training.recipe import train
-
     train(to_typed(config))
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.kernels import native_bf16_matmul
+from runtime.target.kernels import native_bf16_matmul
 
 CANDIDATES = 16  # bf16 top tokens per row recomputed in fp32
 

@@ -1,11 +1,29 @@
-"""Proposer construction from a typed ``ProposerSpec``, shared by the scripts and tests."""
+"""Proposer construction from a typed ``ProposerSpec``, shared by the scripts and tests.
+
+A head type's proposer is its entry in ``HEAD_PROPOSER_CLASSES`` (a ``Proposer`` with a ``from_head`` constructor);
+``heads.registry.HEAD_TYPES`` names the head types, and tests check that every one has a proposer.
+"""
 
 from __future__ import annotations
 
+from heads.formats import detect_layout, load_any_head
+from heads.io import MERGED_ADAPTERS_KEY, adapter_fingerprint, target_adapters
+from heads.shipped import find_shipped, shipped_heads
 from runtime.proposers.base import NoProposer, Proposer, ProposeInput
 from runtime.proposers.draft_model import DraftModelProposer
+from runtime.proposers.eagle import EagleProposer
+from runtime.proposers.lookahead import LookaheadProposer
+from runtime.proposers.lookup_first import LookupFirstProposer
+from runtime.proposers.medusa import MedusaProposer
 from runtime.proposers.ngram import NgramProposer
 from runtime.proposers.spec import HEAD_PROPOSERS, LOOKUP_PROPOSERS, PROPOSER_NAMES, LookaheadSettings, ProposerSpec
+from runtime.target.attention import use_tree_attention
+from runtime.target.decode_layers import use_decode_layers
+from runtime.target.model import load_target, parse_dtype, same_model_identities
+
+# head type -> the proposer that drafts with such a head
+HEAD_PROPOSER_CLASSES: dict[str, type[Proposer]] = {"eagle": EagleProposer, "eagle3": EagleProposer,
+                                                    "medusa": MedusaProposer}
 
 
 class NoShippedHead(ValueError):
@@ -27,42 +45,26 @@ def load_head_proposer(head_type: str, head_dir: str, target) -> Proposer:
     heads: one ``size`` measured in ``size_dtype``) for both head types, and the acceptance measured during training
     (``acceptance``, acc@1..K), which calibrates Medusa's static tree (unless the config holds ``rank_paths``, the
     tree measured by scripts/eval_head.py) and otherwise sizes the verified tree; its
-    acc@1 is the proposer's ``trained_acceptance`` (None when the config has none), which ``runtime.monitor`` holds
-    the rolling acceptance to.
+    acc@1 is the proposer's ``trained_acceptance`` (None when the config has none), which ``runtime.engine.monitor``
+    holds the rolling acceptance to.
     A Medusa-2 head (trained with LoRA adapters on its target) loads only for a target with those adapters merged
     in (``scripts/export.py --merged-target``).
     """
-    from heads.formats import detect_layout, load_any_head
-    from heads.io import read_head_config
-    from runtime.attention import use_tree_attention
-    from runtime.decode_layers import use_decode_layers
-
-    layout, saved_type = detect_layout(head_dir)
-    if layout == "headstart":
-        saved_type = read_head_config(head_dir)["head_type"]  # checks the whole config first
-    if saved_type != head_type:
-        raise ValueError(f"{head_dir} holds a {saved_type} head, not {head_type} ({layout} layout); load it as "
-                         f"{saved_type}")
-    if layout == "headstart":
-        check_target_adapters(head_dir, read_head_config(head_dir), target)
+    detected = detect_layout(head_dir)  # reads config.json, and checks the whole of ours
+    if detected.head_type != head_type:
+        raise ValueError(f"{head_dir} holds a {detected.head_type} head, not {head_type} ({detected.layout} layout); "
+                         f"load it as {detected.head_type}")
+    if detected.layout == "headstart":
+        check_target_adapters(head_dir, detected.config, target)
     head, config = load_any_head(head_dir, target.model, identity=target.identity, tokenizer=target.tokenizer,
-                                 device=target.device, dtype=target.dtype)
+                                 device=target.device, dtype=target.dtype, detected=detected)
     # drafting runs a few rows at a time, like the target's decode steps; the head is ours
     use_tree_attention(use_decode_layers(head))
     tree = config.get("tree", {})
+    proposer = HEAD_PROPOSER_CLASSES[head_type].from_head(head, target, tree, measured_tree_size(tree, head_dir,
+                                                                                                   target))
     accuracy = tree.get("acceptance")
-    tree_size = measured_tree_size(tree, head_dir, target)
-    if head_type == "medusa":
-        from runtime.proposers.medusa import MedusaProposer
-
-        proposer = MedusaProposer(head, head_accuracy=accuracy[: head.num_heads] if accuracy else None,
-                                  tree_size=tree_size, rank_paths=tree.get("rank_paths"))
-    else:
-        from runtime.proposers.eagle import EagleProposer
-
-        proposer = EagleProposer(head, target, depth=int(tree.get("depth", 6)), top_k=int(tree.get("top_k", 8)),
-                                 expected_acceptance=accuracy[0] if accuracy else 0.6, tree_size=tree_size)
-    # acc@1 measured in training, what runtime.monitor holds the rolling acceptance to (None: not measured)
+    # acc@1 measured in training, what runtime.engine.monitor holds the rolling acceptance to (None: not measured)
     proposer.trained_acceptance = float(accuracy[0]) if accuracy else None
     return proposer
 
@@ -74,8 +76,6 @@ def measured_tree_size(tree: dict, head_dir: str, target) -> int | None:
     a dtype without a measured size gets the cost model's. ``tree.sizes`` maps dtype names to sizes; heads saved
     by earlier versions hold one ``size`` (or ``tokens``) measured in ``size_dtype`` (``tokens_dtype``).
     """
-    from runtime.target import parse_dtype
-
     if "sizes" in tree:
         try:
             sizes = {parse_dtype(name): size for name, size in tree["sizes"].items()}
@@ -97,8 +97,6 @@ def check_target_adapters(head_dir: str, config: dict, target) -> None:
     base model's output instead of the fine-tuned one's, and the heads would draft for a model they were not trained
     on. A target written by ``scripts/export.py --merged-target`` records the adapters it holds in its config.
     """
-    from heads.io import MERGED_ADAPTERS_KEY, adapter_fingerprint, target_adapters
-
     adapters = target_adapters(head_dir, config)
     if adapters is None:
         return
@@ -115,9 +113,6 @@ def check_target_adapters(head_dir: str, config: dict, target) -> None:
 
 def default_head(head_type: str, target) -> str:
     """The shipped ``head_type`` head for ``target`` (heads/shipped), or ``NoShippedHead`` (a ValueError)."""
-    from heads.shipped import find_shipped, shipped_heads
-    from runtime.target import same_model_identities
-
     found = find_shipped(head_type, same_model_identities(target.identity))
     if found is None:
         shipped = ", ".join(f"{t} for {i}" for _, t, i in shipped_heads()) or "none"
@@ -131,26 +126,21 @@ def build_proposer(spec: ProposerSpec, target, dtype=None) -> Proposer:
     if not isinstance(spec, ProposerSpec):
         raise TypeError(f"build_proposer takes a ProposerSpec, not {type(spec).__name__} ({spec!r})")
     if spec.lookup_first:
-        from runtime.proposers.lookup_first import LookupFirstProposer
-
         head = ProposerSpec(spec.name, head=spec.head, lookahead=spec.lookahead)
         return LookupFirstProposer(build_proposer(head, target, dtype), NgramProposer())
     if spec.name == "lookahead":
-        from runtime.proposers.lookahead import LookaheadProposer
-
         return LookaheadProposer.for_target(target, spec.lookahead)
     if spec.name == "none":
         return NoProposer()
     if spec.name == "ngram":
         return NgramProposer()
     if spec.name == "draft":
-        from runtime.target import load_target
-
         draft = load_target(spec.draft_model, dtype=dtype or target.dtype, device=target.device)
         return DraftModelProposer(draft, target)
     return load_head_proposer(spec.name, spec.head or default_head(spec.name, target), target)
 
 
 __all__ = ["NoProposer", "Proposer", "ProposeInput", "DraftModelProposer", "NgramProposer", "ProposerSpec",
+           "HEAD_PROPOSER_CLASSES",
            "LookaheadSettings", "build_proposer", "PROPOSER_NAMES", "HEAD_PROPOSERS", "LOOKUP_PROPOSERS",
            "NoShippedHead", "load_head_proposer", "default_head", "check_target_adapters"]

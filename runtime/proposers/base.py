@@ -1,30 +1,29 @@
 """The proposer interface: build a candidate tree from the current state; learn what was accepted.
 
+``Proposer`` is the base class every proposer derives from: it declares ``start`` and ``propose``, which each
+proposer defines, and documented hooks whose defaults do nothing, which a proposer overrides where it does more.
+
 A proposer object holds configuration. Everything that belongs to one generation (a draft cache, the position up
 to which features were consumed) lives in the state object returned by ``start`` and passed back in. The one
-exception is memory meant to outlive a generation (lookahead's carried successors): a proposer that keeps it sets
-``carries_memory`` and takes ``sampling`` in ``start`` (``start_generation``), so that only greedy generations use
-it; a sampled generation then draws what its prompt and seed give, whatever the proposer decoded before.
+exception is memory meant to outlive a generation (lookahead's carried successors): ``start`` gets the generation's
+``sampling`` (None: greedy), so that only greedy generations use it; a sampled generation then draws what its prompt
+and seed give, whatever the proposer decoded before.
 
 A proposal is a ``Tree``, or a ``Draft``: a tree plus extra rows the verification pass computes after the tree's
 nodes, whose logits come back in the next ``ProposeInput`` (lookahead decoding's Jacobi window rides in the pass
 this way). A proposer that asks for extra rows says how many it may ask for at most (``extra_rows``), so that
-buffers are sized for them; other proposers need not define it.
-
-A proposer that learns from the target's outputs at the tree's own nodes (lookahead's recycled successors) defines
-``observe(state, history, tree, logits)``; the decoder calls it after every verification pass, before the next
-proposal. Other proposers need not define it.
+buffers are sized for them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from runtime.sampling import SamplingParams
-from runtime.tree import Draft, Tree
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.tree import Draft, Tree
 
 
 @dataclass
@@ -48,109 +47,96 @@ class ProposeInput:
     extra_logits: torch.Tensor | None = None
 
 
-class Proposer(Protocol):
-    name: str
-    hidden_layers: tuple[int, ...]  # target layers whose inputs the proposer needs (EAGLE-3); () for none
-    needs_hidden: bool  # whether the decoder should hand over target hidden states
-    expected_acceptance: float  # prior per-token acceptance rate, used to size trees from the cost curve
-    tree_size: int | None  # a measured verified-tree size (scripts/tune_tree.py); None: the cost model decides
+class Proposer:
+    """What the decoders ask of a proposer. Subclasses set ``name`` and define ``start`` and ``propose``; the
+    attributes below are the defaults of a proposer that drafts alone, from the history only, with a model."""
 
-    def start(self, prompt: torch.Tensor, max_length: int) -> Any:
-        """Per-generation state for a prompt [P] and a total length bound."""
+    name: str = "proposer"
+    hidden_layers: tuple[int, ...] = ()  # target layers whose inputs the proposer needs (EAGLE-3); () for none
+    needs_hidden: bool = False  # whether the decoder should hand over target hidden states
+    expected_acceptance: float = 0.0  # prior per-token acceptance rate, used to size trees from the cost curve
+    tree_size: int | None = None  # a measured verified-tree size (scripts/tune_tree.py); None: the cost model decides
+    # acc@1 measured in training, what ``runtime.engine.monitor`` holds the rolling acceptance to (None: unknown)
+    trained_acceptance: float | None = None
+    tree_size_reason: str | None = None  # how the proposer chose its own tree size, where it did
+    extra_rows: int = 0  # the most extra rows (``Draft``) it asks a verification pass for
+    max_depth: int | None = None  # the deepest node it drafts; None where it does not say
+    # Drafting runs no model (prompt lookup): a deeper tree costs its verification alone, and nothing where it finds
+    # nothing (``runtime.engine.batched``'s per-row sizes).
+    drafts_without_a_model: bool = False
+    # It verifies trees of its own ``tree_size`` at every step (``sizes_own_tree``).
+    own_tree_size: bool = False
+
+    def start(self, prompt: torch.Tensor, max_length: int, sampling: SamplingParams | None = None) -> Any:
+        """Per-generation state for a prompt [P] and a total length bound; ``sampling`` is the generation's (None:
+        greedy), for a proposer whose memory outlives a generation and serves greedy ones only."""
+        return None
 
     def propose(self, state: Any, step: ProposeInput) -> Tree | Draft:
         """A tree rooted at step.history[-1], at most step.tree_size nodes (with at most ``extra_rows`` extra rows,
         a Draft)."""
+        raise NotImplementedError
+
+    def propose_rows(self, states: list[Any], steps: list[ProposeInput]) -> list[Tree | Draft]:
+        """Proposals for several generations at one step: ``propose`` for each, unless a proposer drafts for all of
+        them in one pass (a head). Its trees may then differ from ``propose``'s by rounding, so only callers whose
+        output does not depend on the tree use it."""
+        return [self.propose(state, step) for state, step in zip(states, steps)]
+
+    def unread_rows(self, state: Any, history: torch.Tensor) -> int | None:
+        """How many verified rows of history [L] the proposer's model has yet to read before it drafts (None: it does
+        not say). A head that skipped passes reads their rows in its next call, so that call costs more than a call
+        in a run of drafting passes."""
+        return None
+
+    def observe(self, state: Any, history: torch.Tensor, tree: Tree, logits: torch.Tensor) -> None:
+        """The target's logits [N, V] at the nodes of ``tree``, just verified, for a proposer that learns from them
+        (lookahead's recycled successors); history [L] is the history the tree was drafted from (its root is
+        history[-1]). The decoders call it after every verification pass, before the next proposal."""
+
+    @property
+    def drafters(self) -> dict[str, Proposer]:
+        """The drafters whose trees are sized apart, by name. A proposer that drafts each step with one of several
+        (prompt lookup where it finds a match, a head elsewhere) lists them and names the next step's in
+        ``draft_source``; any other proposer is its own one drafter."""
+        return {self.name: self}
+
+    def draft_source(self, state: Any, history: torch.Tensor) -> str:
+        """The name of the drafter (a key of ``drafters``) that will draft the next step, history [L] being the prompt
+        and emitted tokens."""
+        return self.name
+
+    def draft_level(self, state: Any, history: torch.Tensor) -> int | None:
+        """The next step's level, whose drafts are learnt apart from other levels' (prompt lookup's is the length of
+        the suffix it matched, since a longer match is right more often); None where the drafter will find nothing
+        to draft. A drafter without levels is at 0."""
+        return 0
+
+    def draft_key(self, state: Any, history: torch.Tensor) -> tuple[str, int] | None:
+        """(the drafter that drafts the next step, its level), or None where that drafter will find nothing to
+        draft."""
+        source = self.draft_source(state, history)
+        level = self.draft_level(state, history)
+        return None if level is None else (source, level)
+
+    @property
+    def drafts_with_a_model(self) -> bool:
+        """Whether drafting costs a model's call (a head, a draft model)."""
+        return not self.drafts_without_a_model
+
+    @property
+    def sizes_own_tree(self) -> bool:
+        """Whether the proposer verifies trees of its own ``tree_size`` at every step. Adaptive sizing models a tree
+        of n nodes as a chain n - 1 deep; a proposer whose gain comes from width (lookahead's candidates side by
+        side) would be shrunk to a single chain by it."""
+        return self.own_tree_size and self.tree_size is not None
 
 
-def propose_rows(proposer, states: list[Any], steps: list[ProposeInput]) -> list[Tree | Draft]:
-    """``proposer``'s proposals for several generations at one step: its ``propose_rows`` where it has one (a head
-    that drafts for all of them in one pass; the trees may differ from ``propose``'s by rounding, so only callers
-    whose output does not depend on the tree use it), else ``propose`` for each."""
-    together = getattr(proposer, "propose_rows", None)
-    if together is not None:
-        return together(states, steps)
-    return [proposer.propose(state, step) for state, step in zip(states, steps)]
-
-
-def unread_rows(proposer, state: Any, history: torch.Tensor) -> int | None:
-    """How many verified rows of history [L] ``proposer``'s model has yet to read before it drafts (its
-    ``unread_rows``; None for a proposer that does not say). A head that skipped passes reads their rows in its next
-    call, so that call costs more than a call in a run of drafting passes."""
-    count = getattr(proposer, "unread_rows", None)
-    return None if count is None else count(state, history)
-
-
-def start_generation(proposer, prompt: torch.Tensor, max_length: int, sampling: SamplingParams | None) -> Any:
-    """``proposer.start(prompt, max_length)``, with ``sampling`` (None: greedy) for a proposer that
-    ``carries_memory`` across generations."""
-    if getattr(proposer, "carries_memory", False):
-        return proposer.start(prompt, max_length, sampling=sampling)
-    return proposer.start(prompt, max_length)
-
-
-def extra_rows(proposer) -> int:
-    """The most extra rows ``proposer`` asks a verification pass for (its ``extra_rows``; 0 when it has none)."""
-    return int(getattr(proposer, "extra_rows", 0))
-
-
-def observe(proposer, state: Any, history: torch.Tensor, tree: Tree, logits: torch.Tensor) -> None:
-    """Hand ``proposer`` (its ``observe``, where it has one) the target's logits [N, V] at the nodes of ``tree``,
-    just verified; history [L] is the history the tree was drafted from (its root is history[-1])."""
-    learn = getattr(proposer, "observe", None)
-    if learn is not None:
-        learn(state, history, tree, logits)
-
-
-def drafters(proposer) -> dict[str, Any]:
-    """The drafters whose trees are sized apart, by name. A proposer that drafts each step with one of several
-    (prompt lookup where it finds a match, a head elsewhere) lists them in ``drafters`` and names the next step's
-    in ``draft_source(state, history)``; any other proposer is its own one drafter."""
-    return dict(getattr(proposer, "drafters", None) or {proposer.name: proposer})
-
-
-def draft_source(proposer, state: Any, history: torch.Tensor) -> str:
-    """The name of the drafter (a key of ``drafters(proposer)``) that will draft the next step, history [L] being
-    the prompt and emitted tokens."""
-    choose = getattr(proposer, "draft_source", None)
-    return proposer.name if choose is None else choose(state, history)
-
-
-def draft_key(proposer, state: Any, history: torch.Tensor) -> tuple[str, int] | None:
-    """(the drafter that drafts the next step: ``draft_source``, its level), or None where that drafter will find
-    nothing to draft. A proposer's ``draft_level(state, history)`` gives the level, whose drafts are learnt apart from
-    other levels': prompt lookup's is the length of the suffix it matched, since a longer match is right more often;
-    a drafter without levels is at 0."""
-    source = draft_source(proposer, state, history)
-    level = getattr(proposer, "draft_level", None)
-    found = 0 if level is None else level(state, history)
-    return None if found is None else (source, found)
-
-
-def drafts_with_a_model(drafter) -> bool:
-    """Whether ``drafter``'s drafting costs a model's call (a head, a draft model); a drafter that looks its drafts
-    up (``drafts_without_a_model``: prompt lookup) costs next to nothing, and nothing where it finds nothing."""
-    return not getattr(drafter, "drafts_without_a_model", False)
-
-
-def sizes_own_tree(proposer) -> bool:
-    """Whether ``proposer`` verifies trees of its own ``tree_size`` at every step (``own_tree_size``). Adaptive
-    sizing models a tree of n nodes as a chain n - 1 deep; a proposer whose gain comes from width (lookahead's
-    candidates side by side) would be shrunk to a single chain by it."""
-    return bool(getattr(proposer, "own_tree_size", False)) and proposer.tree_size is not None
-
-
-class NoProposer:
+class NoProposer(Proposer):
     """Plain autoregressive decoding through the same verification path (a tree of just the root)."""
 
     name = "none"
-    hidden_layers: tuple[int, ...] = ()
-    needs_hidden = False
-    expected_acceptance = 0.0
     tree_size = 1
-
-    def start(self, prompt: torch.Tensor, max_length: int) -> None:
-        return None
 
     def propose(self, state: None, step: ProposeInput) -> Tree:
         return Tree.chain(int(step.history[-1]), [], device=step.history.device)

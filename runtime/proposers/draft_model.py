@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.kv_cache import KVCache
-from runtime.proposers.base import ProposeInput
+from runtime.engine.kv_cache import KVCache
+from runtime.proposers.base import Proposer, ProposeInput
 from runtime.proposers.dynamic import build_dynamic_tree
-from runtime.sampling import greedy_tokens, processed_probs, sample
-from runtime.target import Target
-from runtime.tree import Tree
+from runtime.engine.sampling import SamplingParams, greedy_tokens, processed_probs, sample
+from runtime.target.model import Target
+from runtime.engine.tree import Tree
 
 
 def check_same_tokenizer(draft: Target, target: Target) -> None:
@@ -33,23 +33,21 @@ class DraftState:
     cache: KVCache  # holds history[:cache.max_committed] between proposals
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """mode "tree": dynamic top-k tree (deterministic picks); mode "chain": one path, greedy at temperature 0 and
     sampled from the draft's processed distribution otherwise (recorded for lossless acceptance)."""
 
     name = "draft"
-    hidden_layers: tuple[int, ...] = ()
-    needs_hidden = False
     expected_acceptance = 0.7
-    tree_size: int | None = None
 
     def __init__(self, draft: Target, target: Target, mode: str = "tree", depth: int = 5, top_k: int = 4):
         if mode not in ("tree", "chain"):
             raise ValueError(f"draft mode must be 'tree' or 'chain', got {mode!r}")
         check_same_tokenizer(draft, target)
         self.draft, self.mode, self.depth, self.top_k = draft, mode, depth, top_k
+        self.max_depth = depth
 
-    def start(self, prompt: torch.Tensor, max_length: int) -> DraftState:
+    def start(self, prompt: torch.Tensor, max_length: int, sampling: SamplingParams | None = None) -> DraftState:
         return DraftState(self.draft.new_cache(1, max_length + self.depth * self.top_k + 1))
 
     def _forward(self, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor,

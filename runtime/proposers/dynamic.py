@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.tree import Tree, keep_best_nodes, select_frontier
+from runtime.engine.tree import Tree, keep_best_nodes, select_frontier
 
 # forward_frontier(node_ids [F], tokens [F], parent_ids [F] (-1 = root), positions [F], mask [F, L + slots])
 #   -> log-probabilities [F, V] of each node's children

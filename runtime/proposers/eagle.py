@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.attention import tree_attention_for
-from runtime.kv_cache import KVCache
-from runtime.proposers.base import ProposeInput
+from runtime.target.attention import tree_attention_for
+from runtime.engine.kv_cache import KVCache
+from runtime.proposers.base import Proposer, ProposeInput
 from runtime.proposers.dynamic import Frontier, build_dynamic_tree, build_dynamic_trees, expand_dynamic_tree
-from runtime.ragged import RaggedRows
-from runtime.tree import Tree
+from runtime.engine.ragged import RaggedRows
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.tree import Tree
 
 
 @dataclass
@@ -32,7 +33,7 @@ def causal_rows_mask(done: int, count: int, device) -> torch.Tensor:
     return torch.cat([past, torch.ones(count, count, dtype=torch.bool, device=device).tril()], dim=1)[None, None]
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     """``head``: an EAGLE-family head (``heads.eagle.FeatureHead``: EAGLE-1/2 or EAGLE-3) attached to the target's
     weights."""
 
@@ -43,12 +44,21 @@ class EagleProposer:
         self.head, self.target = head, target
         self.tree_size = tree_size
         self.depth, self.top_k = depth, top_k
+        self.max_depth = depth
         self.name = head.head_type
         self.hidden_layers = tuple(head.feature_layers)
         self.expected_acceptance = expected_acceptance
         self.token_map = head.draft_to_target
 
-    def start(self, prompt: torch.Tensor, max_length: int) -> EagleState:
+    @classmethod
+    def from_head(cls, head, target, tree: dict, tree_size: int | None) -> EagleProposer:
+        """The proposer for a loaded ``head`` with its config's tree defaults ``tree`` (depth, top_k, the measured
+        acceptance) and a measured verified-tree size (``runtime.proposers.measured_tree_size``)."""
+        accuracy = tree.get("acceptance")
+        return cls(head, target, depth=int(tree.get("depth", 6)), top_k=int(tree.get("top_k", 8)),
+                   expected_acceptance=accuracy[0] if accuracy else 0.6, tree_size=tree_size)
+
+    def start(self, prompt: torch.Tensor, max_length: int, sampling: SamplingParams | None = None) -> EagleState:
         config = self.head.target_config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -92,7 +102,7 @@ class EagleProposer:
         Each generation's cache is copied into one ragged batch cache (a head has a layer or a few, so that is a
         small copy), the new rows of every generation go through the head together, and each generation's new
         entries are copied back into its own cache. Where generations have different counts of new rows (one that
-        skipped drafting for a while has many), they go packed (``runtime.ragged``) rather than padded to the
+        skipped drafting for a while has many), they go packed (``runtime.engine.ragged``) rather than padded to the
         longest, which would compute every padding row; each row sees its own cache and its own new rows causally."""
         head, device = self.head, steps[0].history.device
         rows = [self._new_rows(state, step) for state, step in zip(states, steps)]

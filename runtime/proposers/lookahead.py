@@ -35,8 +35,8 @@ window's n-grams for the same rows (scripts/results/README.md, "Recycled success
 them most of the pass.
 
 A token the table has never recorded gives a recycled tree nothing to hold, and a token recorded in one context holds
-that context's guess. The target's context-free successors of every token (``runtime.successor_prior``: each token
-placed where a reply starts, measured once per target) fill both gaps: they are a token's entry where it has none,
+that context's guess. The target's context-free successors of every token (``runtime.proposers.successor_prior``: each
+token placed where a reply starts, measured once per target) fill both gaps: they are a token's entry where it has none,
 and are mixed into its own entry (``PRIOR_WEIGHT``) where a pair was never recorded. They matter most where the table
 is cold: a generation's own table (sampling, or ``carry`` off) and a server's first requests (scripts/results/
 README.md, "A context-free prior for recycled successors").
@@ -59,11 +59,13 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.proposers.base import ProposeInput
+from runtime.proposers.base import Proposer, ProposeInput
 from runtime.proposers.spec import LookaheadSettings
-from runtime.sampling import CHUNK, SamplingParams, chunk_columns, greedy_tokens
-from runtime.tree import Draft, Tree
-from runtime.tree_sizing import interpolated_cost
+from runtime.engine.sampling import CHUNK, SamplingParams, chunk_columns, greedy_tokens
+from runtime.engine.tree import Draft, Tree
+from runtime.engine.tree_sizing import interpolated_cost
+from runtime.proposers.successor_prior import SUCCESSORS, SuccessorPrior, successor_prior
+from runtime.target.cost_model import cost_curve
 
 # A prior for choosing W, N and G from the cost curve: a pass gets its first candidate token accepted with
 # probability HIT_SCALE * log2(1 + G) (the reference finds the gain growing with the log of the pass's size), and
@@ -74,11 +76,10 @@ CONTINUE = 0.5
 NGRAM_SIZES = (3, 4, 5)
 PRIOR_ACCEPTANCE = 0.3
 MAX_WINDOW = 16
-# Recycled successors: each tree node's SUCCESSORS most likely next tokens are kept, with the target's probabilities
-# for them. The prior for choosing R: where no n-gram is right, R recycled nodes add RECYCLE_SCALE log2(1 + R)
-# accepted tokens a pass. Fitted like HIT_SCALE, with scripts/benchmark.py's `lookahead` (tokens per pass 1.76 at
-# W = 1, N = 3, G = 1, R = 7 on every 8th MT-bench first turn, bf16).
-SUCCESSORS = 8
+# Recycled successors: each tree node's SUCCESSORS most likely next tokens are kept (successor_prior.py), with the
+# target's probabilities for them. The prior for choosing R: where no n-gram is right, R recycled nodes add
+# RECYCLE_SCALE log2(1 + R) accepted tokens a pass. Fitted like HIT_SCALE, with scripts/benchmark.py's `lookahead`
+# (tokens per pass 1.76 at W = 1, N = 3, G = 1, R = 7 on every 8th MT-bench first turn, bf16).
 # Each recording moves a key's entry this far towards the distribution just computed (``blend_successors``): an
 # exponential average over the contexts the key was seen in. The latest context alone (1.0) is right less often
 # behind lookup (scripts/results/README.md, "Recycled successors averaged over contexts").
@@ -88,9 +89,6 @@ RECENT_WEIGHT = 0.5
 # "A context-free prior for recycled successors").
 PRIOR_WEIGHT = 0.5
 PAIR_CAPACITY = 1 << 16  # a bound for long-running servers: about 1 KB of Python objects per entry
-# The prior's entries read as Python tuples are kept for reuse up to this many tokens (then dropped all at once): a
-# generation touches a few thousand tokens, and a server left running would otherwise hold the whole vocabulary's.
-PRIOR_MEMO_CAPACITY = 1 << 13
 RECYCLE_SCALE = 0.23
 RECYCLED_SIZES = (0, 1, 2, 3, 5, 7, 11, 15)
 
@@ -162,34 +160,6 @@ class NgramPool:
 
     def __len__(self) -> int:
         return sum(len(known) for known in self.grams.values())
-
-
-class SuccessorPrior:
-    """The target's top-k next tokens after each vocabulary token out of context (``runtime.successor_prior``):
-    tokens [V, K] long and probs [V, K] float, likeliest first. Entries are read as tuples when first asked for and
-    kept for reuse, up to ``PRIOR_MEMO_CAPACITY`` of them."""
-
-    def __init__(self, tokens: torch.Tensor, probs: torch.Tensor):
-        if tokens.ndim != 2 or tokens.shape != probs.shape:
-            raise ValueError(f"SuccessorPrior takes tokens and probs of one shape [V, K], got {tuple(tokens.shape)} "
-                             f"and {tuple(probs.shape)}")
-        self.tokens, self.probs = tokens, probs
-        self._entries: dict[int, tuple[tuple[int, float], ...]] = {}
-
-    def entry(self, token: int) -> tuple[tuple[int, float], ...]:
-        """(successor, probability) pairs after ``token``, likeliest first; () for a token outside the vocabulary."""
-        found = self._entries.get(token)
-        if found is None:
-            inside = 0 <= token < self.tokens.shape[0]
-            found = tuple(zip(self.tokens[token].tolist(), self.probs[token].tolist())) if inside else ()
-            if len(self._entries) >= PRIOR_MEMO_CAPACITY:
-                self._entries.clear()
-            self._entries[token] = found
-        return found
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokens.shape[0]
 
 
 class SuccessorTable:
@@ -349,8 +319,8 @@ def pass_rows(settings: LookaheadSettings) -> int:
 
 def choose_settings(curve: dict[int, float]) -> tuple[LookaheadSettings, str]:
     """(settings, why): the W, N, G (G = W, as the reference does) and R with the most expected tokens per unit of pass
-    cost on ``curve`` ({rows: cost relative to one row}, ``runtime.cost_model.cost_curve``), among passes no larger
-    than the largest measured one."""
+    cost on ``curve`` ({rows: cost relative to one row}, ``runtime.target.cost_model.cost_curve``), among passes no
+    larger than the largest measured one."""
     largest = max(curve)
     options = [LookaheadSettings(w, n, w, r) for n in NGRAM_SIZES for w in range(1, MAX_WINDOW + 1)
                for r in RECYCLED_SIZES]
@@ -376,7 +346,7 @@ class LookaheadState:
     updates: int = 0
 
 
-class LookaheadProposer:
+class LookaheadProposer(Proposer):
     """Lookahead decoding with ``settings`` (W, N, G, R), recycling into ``successors`` (default: a table of its own
     when ``settings.carry``, kept across its generations) and its tables drawing on ``prior`` where they have no
     entry of their own (``SuccessorTable``; a table given as ``successors`` keeps its own prior).
@@ -421,27 +391,19 @@ class LookaheadProposer:
     def for_target(cls, target, settings: LookaheadSettings | None = None):
         """With ``settings``, or with the settings chosen from ``target``'s measured cost curve; with ``target``'s
         successor prior (measured once, cached) where the settings recycle successors and ask for one, unless
-        measuring it would take too long on this device (``runtime.successor_prior.PRIOR_BUDGET_SECONDS``)."""
+        measuring it would take too long on this device (``runtime.proposers.successor_prior.PRIOR_BUDGET_SECONDS``)."""
         if settings is not None:
             reason = f"{settings}, as given"
         else:
-            from runtime.cost_model import cost_curve
-
             settings, reason = choose_settings(cost_curve(target))
         prior = None
         if settings.recycled and settings.prior:
-            from runtime.successor_prior import successor_prior
-
             prior = successor_prior(target)
         return cls(settings, reason=reason, prior=prior)
 
-    @property
-    def carries_memory(self) -> bool:
-        return self.successors is not None
-
     def start(self, prompt: torch.Tensor, max_length: int, sampling: SamplingParams | None = None) -> LookaheadState:
         """A generation's state; it records into the carried table (``successors``) unless ``sampling`` samples, in
-        which case it starts a table of its own (``runtime.proposers.base.start_generation``)."""
+        which case it starts a table of its own."""
         s = self.settings
         # The window starts from prompt tokens drawn with a fixed seed (the reference draws them at random): a
         # rerun repeats every guess.

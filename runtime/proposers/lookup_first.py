@@ -27,11 +27,10 @@ from typing import Any
 
 import torch
 
-from runtime.proposers.base import (Proposer, ProposeInput, extra_rows, observe, propose_rows, sizes_own_tree,
-                                    start_generation, unread_rows)
+from runtime.proposers.base import Proposer, ProposeInput
 from runtime.proposers.ngram import NgramProposer
-from runtime.sampling import SamplingParams
-from runtime.tree import Draft, Tree
+from runtime.engine.sampling import SamplingParams
+from runtime.engine.tree import Draft, Tree
 
 
 @dataclass
@@ -58,7 +57,7 @@ def _with_pending(state: LookupFirstState, step: ProposeInput) -> ProposeInput:
                         step.extra_logits)
 
 
-class LookupFirstProposer:
+class LookupFirstProposer(Proposer):
     """``head`` drafts the steps where ``lookup`` finds no earlier occurrence of the current suffix."""
 
     def __init__(self, head: Proposer, lookup: NgramProposer | None = None):
@@ -71,9 +70,17 @@ class LookupFirstProposer:
         # head's guesses, so it is sized for the better of the two drafters.
         self.expected_acceptance = max(head.expected_acceptance, self.lookup.expected_acceptance)
         # a head sizing its own trees (lookahead's width) has no measured size for lookup's chains to start from
-        self.tree_size = None if sizes_own_tree(head) else head.tree_size
-        self.extra_rows = extra_rows(head)
-        self.drafters = {self.lookup.name: self.lookup, head.name: head}
+        self.tree_size = None if head.sizes_own_tree else head.tree_size
+        self.extra_rows = head.extra_rows
+
+    @property
+    def trained_acceptance(self) -> float | None:
+        """The head's: its passes are held to it (``runtime.engine.monitor.judged_drafter``)."""
+        return self.head.trained_acceptance
+
+    @property
+    def drafters(self) -> dict[str, Proposer]:
+        return {self.lookup.name: self.lookup, self.head.name: self.head}
 
     def draft_source(self, state: LookupFirstState, history: torch.Tensor) -> str:
         """Which drafter drafts the next step: lookup where the suffix of history [L] occurred before, else the
@@ -91,12 +98,8 @@ class LookupFirstProposer:
         length, found = state.match
         return found if length == history.numel() else self.lookup.match_length(history)
 
-    @property
-    def carries_memory(self) -> bool:
-        return getattr(self.head, "carries_memory", False)
-
     def start(self, prompt: torch.Tensor, max_length: int, sampling: SamplingParams | None = None) -> LookupFirstState:
-        return LookupFirstState(start_generation(self.head, prompt, max_length, sampling))
+        return LookupFirstState(self.head.start(prompt, max_length, sampling))
 
     def propose(self, state: LookupFirstState, step: ProposeInput) -> Tree | Draft:
         found = self._lookup(state, step)
@@ -104,23 +107,23 @@ class LookupFirstProposer:
 
     def propose_rows(self, states: list[LookupFirstState], steps: list[ProposeInput]) -> list[Tree | Draft]:
         """``propose`` for several generations: lookup for each, then the head for those lookup found nothing for,
-        together (``runtime.proposers.base.propose_rows``)."""
+        together."""
         trees = [self._lookup(state, step) for state, step in zip(states, steps)]
         waiting = [i for i, tree in enumerate(trees) if tree is None]
         if waiting:
-            drafted = propose_rows(self.head, [states[i].head for i in waiting],
-                                   [_with_pending(states[i], steps[i]) for i in waiting])
+            drafted = self.head.propose_rows([states[i].head for i in waiting],
+                                             [_with_pending(states[i], steps[i]) for i in waiting])
             for i, tree in zip(waiting, drafted):
                 trees[i] = tree
         return trees
 
     def unread_rows(self, state: LookupFirstState, history: torch.Tensor) -> int | None:
-        """The rows the head has yet to read, lookup steps' included (``runtime.proposers.base.unread_rows``)."""
-        return unread_rows(self.head, state.head, history)
+        """The rows the head has yet to read, lookup steps' included."""
+        return self.head.unread_rows(state.head, history)
 
     def observe(self, state: LookupFirstState, history: torch.Tensor, tree: Tree, logits: torch.Tensor) -> None:
-        """The head learns from every pass, lookup's too (``runtime.proposers.base.observe``)."""
-        observe(self.head, state.head, history, tree, logits)
+        """The head learns from every pass, lookup's too."""
+        self.head.observe(state.head, history, tree, logits)
 
     def _lookup(self, state: LookupFirstState, step: ProposeInput) -> Tree | None:
         """Lookup's tree when it finds a continuation (the step's features then wait for the head), else None."""

@@ -6,8 +6,8 @@ import heapq
 
 import torch
 
-from runtime.proposers.base import ProposeInput
-from runtime.tree import Tree, closed_choices
+from runtime.proposers.base import Proposer, ProposeInput
+from runtime.engine.tree import Tree, closed_choices
 
 
 # Ranks of each head a static tree draws from: the most a tree, estimated or measured, may hold.
@@ -103,7 +103,7 @@ def check_rank_paths(paths: list[tuple[int, ...]], num_heads: int, top_k: int) -
         seen.add(path)
 
 
-class MedusaProposer:
+class MedusaProposer(Proposer):
     """``heads``: MedusaHeads attached to the target's weights. ``choices`` fixes the tree; by default a tree of T
     nodes is the first T - 1 of ``rank_paths`` (``measured_rank_paths``, most frequent first) where given, else
     calibrated from ``head_accuracy`` (per-head top-1 acceptance, e.g. measured during training).
@@ -111,7 +111,6 @@ class MedusaProposer:
     ``choices``, at least the tree they make, which the decoder then keeps (``own_tree_size``)."""
 
     name = "medusa"
-    hidden_layers: tuple[int, ...] = ()
     needs_hidden = True
 
     def __init__(self, heads, choices: list[tuple[int, ...]] | None = None, head_accuracy: list[float] | None = None,
@@ -130,8 +129,13 @@ class MedusaProposer:
         self.head_accuracy = head_accuracy or [0.6 * 0.8 ** i for i in range(heads.num_heads)]
         self.expected_acceptance = self.head_accuracy[0]
 
-    def start(self, prompt: torch.Tensor, max_length: int) -> None:
-        return None
+    @classmethod
+    def from_head(cls, heads, target, tree: dict, tree_size: int | None) -> MedusaProposer:
+        """The proposer for loaded ``heads`` with its config's tree defaults ``tree`` (measured acceptance per head,
+        rank paths) and a measured verified-tree size (``runtime.proposers.measured_tree_size``)."""
+        accuracy = tree.get("acceptance")
+        return cls(heads, head_accuracy=accuracy[: heads.num_heads] if accuracy else None, tree_size=tree_size,
+                   rank_paths=tree.get("rank_paths"))
 
     def propose(self, state: None, step: ProposeInput) -> Tree:
         return self._trees([step])[0]

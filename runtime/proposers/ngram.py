@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runtime.proposers.base import ProposeInput
-from runtime.tree import Tree
+from runtime.proposers.base import Proposer, ProposeInput
+from runtime.engine.tree import Tree
 
 
 def suffix_matches(history: np.ndarray, max_ngram: int) -> tuple[np.ndarray, np.ndarray]:
@@ -52,7 +52,7 @@ def find_continuations(history: np.ndarray, max_ngram: int, min_ngram: int, max_
 
 
 @dataclass
-class NgramProposer:
+class NgramProposer(Proposer):
     """Prompt-lookup decoding over prompt + generated text, proposing a tree from several matches."""
 
     max_ngram: int = 4
@@ -60,15 +60,9 @@ class NgramProposer:
     max_matches: int = 4
     max_depth: int = 10
     name: str = "ngram"
-    hidden_layers: tuple[int, ...] = ()
-    needs_hidden: bool = False
     expected_acceptance: float = 0.45
     tree_size: int | None = None
-    # drafting runs no model: a deeper tree costs its verification alone (``runtime.batched``'s per-row sizes)
-    drafts_without_a_model: bool = True
-
-    def start(self, prompt: torch.Tensor, max_length: int) -> None:
-        return None
+    drafts_without_a_model: bool = True  # a deeper tree costs its verification alone
 
     def match_length(self, history: torch.Tensor) -> int:
         """The longest suffix of history [L], of min_ngram to max_ngram tokens, that occurred earlier with a token

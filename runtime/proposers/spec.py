@@ -1,6 +1,6 @@
 """What proposer to build, as a typed value: ``ProposerSpec`` (``build_proposer`` in ``runtime.proposers`` builds it).
 
-The command-line spellings (``eagle3+ngram``, ``eagle3:DIR``) are parsed by the scripts (scripts/cli.py), not here.
+The command-line spellings (``eagle3+ngram``, ``eagle3:DIR``) are parsed by the command line (cli/args.py), not here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ class LookaheadSettings:
     tree of at most 1 + G (N - 1) + R nodes. ``carry``: the successors recorded in one generation serve the next
     ones (as Token Recycling inherits its table from the previous query); False starts each generation empty.
     ``prior``: a token with no successors recorded yet drafts from the target's context-free successors of it
-    (``runtime.successor_prior``, measured once per target), and a token's recorded successors are mixed with them."""
+    (``runtime.proposers.successor_prior``, measured once per target), and a token's recorded successors are mixed with
+    them."""
 
     window: int
     ngram: int

@@ -1,0 +1,330 @@
+"""The target model: loading (HF id, local dir, .gguf, alias) and one forward with a 4D mask and a cache.
+
+The stock transformers model is used unchanged, and stays unchanged outside the runtime's own passes: inside
+``Target.forward`` it attends through the tree backends of ``runtime.target.attention`` and runs the decode layers of
+``runtime.target.decode_layers``; outside, it is the model as loaded or as handed over. Differences between
+architectures are data read from the config (final logit soft-capping, tied embeddings).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from heads.common import cache_argument, softcap_logits
+from runtime.target import attention
+from runtime.target.assets import SMOLLM2_GGUF, cache_dir, packaged_file
+from runtime.target.decode_layers import DecodeLayers
+from runtime.engine.kv_cache import KVCache
+from runtime.engine.ragged import RaggedRows
+
+DEFAULT_TARGET = "smollm2-135m"
+ALIASES = {"smollm2-135m": SMOLLM2_GGUF, "smollm2-135m-instruct": SMOLLM2_GGUF}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+# families whose sliding window reaches attention only through transformers' own per-layer masks (the attention
+# call never receives it), which a runtime's own tree mask replaces
+MASK_ONLY_WINDOWS = ("qwen2_moe", "phimoe")
+
+
+def unsupported_attention(model) -> str | None:
+    """What in ``model``'s attention the runtime's attention function would not apply (a description), or None:
+    attention sinks (learnt per-head logits, GPT-OSS), chunked attention (Llama-4) and windows that only
+    transformers' masks apply (``MASK_ONLY_WINDOWS``)."""
+    if any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules()):
+        return "has sinks (learnt per-head logits beside the keys, as in GPT-OSS)"
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk:
+        return f"attends in chunks of {chunk} tokens (attention_chunk_size) through transformers' own masks"
+    window = getattr(config, "sliding_window", None)
+    active = getattr(config, "use_sliding_window", True)
+    limit = getattr(config, "max_position_embeddings", None)
+    if config.model_type in MASK_ONLY_WINDOWS and window and active and (limit is None or window < limit):
+        return (f"has a sliding window of {window} tokens that {config.model_type} applies only through "
+                f"transformers' own masks")
+    return None
+
+
+RESCALING_ROPE = ("dynamic", "longrope")  # frequencies chosen from the longest position of the pass
+
+
+def rescaling_rope_context(config) -> int | None:
+    """The original context of a rotary embedding whose frequencies depend on the longest position in a pass
+    (``RESCALING_ROPE``), or None for any other."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    groups = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    for group in groups:
+        if isinstance(group, dict) and group.get("rope_type", group.get("type")) in RESCALING_ROPE:
+            original = group.get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings", None) or getattr(config, "max_position_embeddings", None)
+            return int(original) if original else None
+    return None
+
+
+@dataclass
+class TargetOutput:
+    """logits [B, T', V] (T' = positions asked for); hidden [B, T, H]: last layer after the final norm;
+    layer_hidden: the inputs of the requested decoder layers, each [B, T, H] (EAGLE-3 fusion)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    layer_hidden: tuple[torch.Tensor, ...] = ()
+
+
+class Target:
+    """A frozen causal LM plus its tokenizer. ``identity`` names the weights (checked by heads).
+
+    The model is never changed: the tree attention (``runtime.target.attention``) and, with ``decode_kernels``, the
+    decode layers (``runtime.target.decode_layers``: faster few-row products and compiled bf16 kernels on CPU, same
+    results) are switched on only for the duration of ``forward``. The model must be in eval mode.
+    """
+
+    def __init__(self, model, tokenizer, identity: str, decode_kernels: bool = True):
+        if model.training:
+            raise ValueError("the target model is in training mode (dropout would change its outputs); call "
+                             "model.eval() before handing it to Target")
+        problem = unsupported_attention(model)
+        if problem:
+            raise ValueError(f"the target's attention {problem}, which this runtime's tree attention does not "
+                             f"apply: decoding it here would not give the target's output")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.identity = identity
+        self.config = model.config
+        self.backbone = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        self._tree_attention = attention.register_with_transformers()
+        self._decode_layers = DecodeLayers(model) if decode_kernels else None
+
+    @contextmanager
+    def _runtime_layers(self):
+        """Tree attention and decode layers for one pass; the model's own settings come back afterwards."""
+        with attention.attention_set_to(self._tree_attention, [self.config]):
+            if self._decode_layers is None:
+                yield
+            else:
+                with self._decode_layers.active():
+                    yield
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def max_positions(self) -> int:
+        """The longest prompt + generation decoded here: the model's context, or for a rotary embedding that
+        rescales with the longest position of each pass (dynamic NTK, LongRoPE) its original context, past which
+        a tree pass's frequencies would depend on its deepest draft and the output would no longer be the
+        target's (``context_note`` says so)."""
+        original = rescaling_rope_context(self.config)
+        return self._model_context if original is None else min(self._model_context, original)
+
+    @property
+    def _model_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 1 << 20))
+
+    @property
+    def context_note(self) -> str:
+        """Why ``max_positions`` is below the model's context, or ''."""
+        limit = self.max_positions
+        if limit >= self._model_context:
+            return ""
+        return (f" (its rotary embedding rescales past {limit} positions with the longest position of each "
+                f"pass, so a verification pass would change the frequencies its drafts see)")
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.config):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if value is None:
+                continue
+            ids.update(value if isinstance(value, (list, tuple)) else [value])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    def new_cache(self, batch_size: int, max_length: int) -> KVCache:
+        config = self.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return KVCache(config.num_hidden_layers, batch_size, kv_heads, head_dim, max_length, self.dtype, self.device)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., V] through the LM head (and the final soft-capping, if any)."""
+        return softcap_logits(self.lm_head(hidden), self.softcap)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
+                attention_mask: torch.Tensor | None, *, logits_from: int = 0, hidden_layers: tuple[int, ...] = (),
+                backend: str = "sdpa", prefix_len: int | None = None,
+                key_positions: torch.Tensor | None = None, ragged: RaggedRows | None = None) -> TargetOutput:
+        """Run new tokens through the target; writes their K/V into ``cache`` (uncommitted).
+
+        input_ids, position_ids: [B, T]; attention_mask: [B, 1, T, S] bool over cache slots (S = cache's max
+        committed length + T), or None for a causal pass over an empty cache. Logits are computed for positions
+        ``logits_from ..`` only (a prefill needs just the last one). ``hidden_layers`` are decoder-layer indices
+        whose inputs are returned (layer i's input is hidden_states[i]). ``key_positions`` [B, S]: the position each
+        key slot holds, for sliding-window layers when rows have different committed lengths (by default slot j of
+        the committed cache holds position j and the pass's own entries come last; ``sliding_window_mask``).
+        ``ragged``: the rows' tokens come packed, input_ids and position_ids [1, T'] (``runtime.engine.ragged``), while
+        the mask is the padded [B, 1, N, S]; outputs are then packed too ([1, T', ...]).
+        """
+        if prefix_len is None and backend == "cascade":  # the committed cache, which every new row sees whole
+            prefix_len = int(cache.lengths.min())
+        extra = {} if key_positions is None else {"key_positions": key_positions}
+        if ragged is not None:
+            extra["ragged"] = ragged
+        with self._runtime_layers(), (nullcontext() if ragged is None else cache.packed(ragged)):
+            outputs = self.backbone(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                                    use_cache=True, **cache_argument(self.backbone, cache),
+                                    output_hidden_states=bool(hidden_layers), tree_backend=backend,
+                                    prefix_len=prefix_len, **extra)
+            hidden = outputs.last_hidden_state
+            layer_hidden = tuple(outputs.hidden_states[i] for i in hidden_layers) if hidden_layers else ()
+            return TargetOutput(self.logits(hidden[:, logits_from:]), hidden, layer_hidden)
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def _float_cache_for_gguf(gguf_path: Path) -> Path:
+    """Where the dequantized copy of ``gguf_path`` lives: keyed on the file's content, so another file under the same
+    name (and size) never loads a copy made from the first."""
+    with open(gguf_path, "rb") as handle:
+        if handle.read(4) != GGUF_MAGIC:
+            raise ValueError(f"{gguf_path} is not a GGUF file (it does not start with {GGUF_MAGIC!r}); pass a .gguf "
+                             f"model file, a model directory or an HF model id")
+        content = hashlib.sha256(GGUF_MAGIC)
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            content.update(block)
+    return cache_dir() / "models" / f"{gguf_path.stem}-{content.hexdigest()[:16]}"
+
+
+def _load_gguf(gguf_path: Path, dtype: torch.dtype, attn: str, quiet: bool):
+    """Dequantize a GGUF once, keep a float copy in the cache dir, and load from that copy afterwards."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    float_dir = _float_cache_for_gguf(gguf_path)
+    if not (float_dir / "config.json").is_file():
+        if not quiet:
+            print(f"[headstart] dequantizing {gguf_path.name} once; cached at {float_dir}",
+                  file=sys.stderr)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        # save_pretrained refuses a model that still looks quantized; the weights are plain floats by now.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        partial = float_dir.with_name(float_dir.name + ".partial")
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        if float_dir.exists():
+            raise RuntimeError(f"{float_dir} exists but has no config.json; delete it and retry")
+        os.replace(partial, float_dir)
+    model = _from_pretrained_complete(str(float_dir), dtype=dtype, attn_implementation=attn)
+    tokenizer = AutoTokenizer.from_pretrained(float_dir)
+    return model, tokenizer
+
+
+def _from_pretrained_complete(name_or_path: str, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` that refuses to make up weights: transformers initialises any weight
+    the checkpoint lacks at random (a config whose layer count no longer matches the weights, a truncated file) and
+    only warns; a target with random layers would decode garbage."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
+    missing = [key for key in info.get("missing_keys", ()) if "rotary_emb" not in key]
+    if missing:
+        shown = ", ".join(sorted(missing)[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise ValueError(f"{name_or_path}: the weights lack {len(missing)} tensors the config asks for ({shown}); "
+                         f"the config does not match the weights (e.g. num_hidden_layers changed) or the checkpoint "
+                         f"is incomplete. Fix the config or the checkpoint; a model with made-up weights is refused.")
+    return model
+
+
+def resolve_target(name_or_path: str) -> tuple[str, Path | None]:
+    """Map an alias or .gguf path to a GGUF file; returns (identity, gguf path or None for HF ids/dirs)."""
+    if name_or_path in ALIASES:
+        return name_or_path, packaged_file(ALIASES[name_or_path])
+    if name_or_path.endswith(".gguf"):
+        path = Path(name_or_path).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return path.name, path
+    return name_or_path, None
+
+
+def same_model_identities(identity: str) -> set[str]:
+    """``identity`` and every alias naming the same weights (heads trained for one alias fit the others)."""
+    if identity not in ALIASES:
+        return {identity}
+    return {alias for alias, packaged in ALIASES.items() if packaged == ALIASES[identity]}
+
+
+def load_target(name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "float32",
+                device: str | torch.device = "cpu", trust_remote_code: bool = False, quiet: bool = False,
+                attn_implementation: str = "sdpa") -> Target:
+    """Load a target from an HF id, a local dir, a .gguf file or an alias (``smollm2-135m``).
+
+    ``target.model`` is a stock transformers model in eval mode with ``attn_implementation`` (what HF ``generate``
+    and training use); the runtime's own passes switch on tree attention and the decode layers for their duration.
+    """
+    from transformers import AutoTokenizer
+
+    torch_dtype = parse_dtype(dtype)
+    identity, gguf_path = resolve_target(name_or_path)
+    if gguf_path is not None:
+        model, tokenizer = _load_gguf(gguf_path, torch_dtype, attn_implementation, quiet)
+    else:
+        local = Path(name_or_path).expanduser()
+        if (name_or_path.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").is_file():
+            raise FileNotFoundError(f"{local} is not a model directory (no config.json)")
+        model = _from_pretrained_complete(name_or_path, dtype=torch_dtype, attn_implementation=attn_implementation,
+                                          trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    model = model.to(device).eval()
+    for parameter in model.parameters():  # a model loaded here is ours to freeze
+        parameter.requires_grad_(False)
+    return Target(model, tokenizer, identity)
+
+
+def target_from_model(model, tokenizer=None, identity: str = "in-memory", decode_kernels: bool = True) -> Target:
+    """Wrap a model built or loaded elsewhere (in eval mode); the model is not changed (see ``Target``)."""
+    return Target(model, tokenizer, identity, decode_kernels)
