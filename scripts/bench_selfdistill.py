@@ -2,7 +2,7 @@
 before) against the batched speculative runtime that training.selfdistill now uses, on the training prompts.
 
     python scripts/bench_selfdistill.py --conversations 64 --batch-size 16 --dtype bfloat16 \
-        --methods hf-greedy,none,eagle3+ngram --output scripts/results/selfdistill_generation_bf16_cpu.json
+        --methods hf-greedy,none,eagle3+ngram --output scripts/results/selfdistill_generation_bf16_cpu_v2.json
 
 The prompts are the first user turns of the training conversations (ShareGPT by default; never MT-bench), through
 the chat template as training.selfdistill builds them. Every method generates every prompt greedily, one method after
