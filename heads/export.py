@@ -1,14 +1,16 @@
 """Export for serving engines: a head in the layout a reader loads (heads/formats.py), written atomically into a
-directory that carries a marker file (``headstart_export.json``).
+directory that carries a marker file (``headstart_export.json``) listing the files the export wrote.
 
 Exporting replaces only a missing or empty directory or an earlier export unless forced: an output path that names
-a run directory must not wipe the run.
+a run directory must not wipe the run. Over an earlier export only what that export wrote is replaced: files a user
+added to it (notes, a README, a tokenizer) are carried into the new one.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -22,6 +24,9 @@ from heads.registry import head_class
 
 EXPORT_MARKER = "headstart_export.json"  # in every export: what may be replaced without force
 EXPORT_FORMAT = "headstart-export"
+# What an export written before markers listed their files may hold; anything else in it is the user's.
+EARLIER_EXPORT_FILES = ("config.json", "model.safetensors", "pytorch_model.bin", "medusa_lm_head.pt",
+                        "medusa_lm_head.safetensors", "generation_config.json", "sglang", "vllm", "reference")
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -57,10 +62,44 @@ def write_export(directory: str | os.PathLike, fill: Callable[[Path], None], kin
 
     def marked(tmp: Path) -> None:
         fill(tmp)
+        written = sorted(path.relative_to(tmp).as_posix() for path in tmp.rglob("*") if path.is_file())
         _write_json(tmp / EXPORT_MARKER, {"format": EXPORT_FORMAT, "kind": kind, **({"layout": layout} if layout
-                                                                                      else {})})
+                                                                                      else {}), "files": written})
+        carry_user_files(Path(directory), tmp, set(written))
 
     return atomic_directory(directory, marked)
+
+
+def user_files(directory: Path) -> list[str]:
+    """The files of an earlier export ``directory`` that it did not write itself (relative paths): those its marker
+    does not list (an export written before markers listed files: those outside ``EARLIER_EXPORT_FILES``)."""
+    marker = directory / EXPORT_MARKER
+    if not marker.is_file():
+        return []
+    try:
+        listed = json.loads(marker.read_text()).get("files")
+    except (ValueError, AttributeError):
+        listed = None
+    found = []
+    for path in sorted(directory.rglob("*")):
+        name = path.relative_to(directory).as_posix()
+        if not path.is_file() or name == EXPORT_MARKER:
+            continue
+        ours = name in listed if isinstance(listed, list) else name.split("/")[0] in EARLIER_EXPORT_FILES
+        if not ours:
+            found.append(name)
+    return found
+
+
+def carry_user_files(directory: Path, tmp: Path, written: set[str]) -> None:
+    """Copy into the new export ``tmp`` the files a user added to the earlier export at ``directory`` (``user_files``)
+    that the new export does not write itself."""
+    if not directory.is_dir():
+        return
+    for name in user_files(directory):
+        if name not in written:
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(directory / name, tmp / name)
 
 
 def export_head(head: nn.Module, out_dir: str | os.PathLike, dtype: torch.dtype | None = None, *,

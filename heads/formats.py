@@ -21,12 +21,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from heads.base import DraftHead
 from heads.common import frozen_target_weights
-from heads.io import FORMAT, load_head, read_head_config
+from heads.io import FORMAT, load_head, read_head_config, save_tensors
 from heads.layouts import read_json
 from heads.registry import LAYOUTS, head_class
 
@@ -68,8 +67,8 @@ def write_files(directory: Path, files: dict, dtype: torch.dtype | None = None) 
                    for key, value in content.items()}
         if name.endswith(".safetensors"):
             # shared storage (a shared LM head written once per Medusa head) must be separate tensors here
-            save_file({key: value.contiguous().clone() for key, value in tensors.items()}, str(path),
-                      metadata={"format": "pt"})
+            save_tensors({key: value.contiguous().clone() for key, value in tensors.items()}, path,
+                         metadata={"format": "pt"})
         else:
             torch.save(tensors, path)
 

@@ -53,6 +53,22 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
+def new_mode(directory: bool = False) -> int:
+    """The permissions a new file (or directory) gets from this process's umask, as ``open`` (``mkdir``) gives them:
+    0o644 (0o755) under the usual 022."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return (0o777 if directory else 0o666) & ~umask
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict | None = None) -> None:
+    """``safetensors.torch.save_file``, with the file's permissions following the umask as any other written file's:
+    safetensors creates its files readable by their owner alone, so a server running as another user could not read
+    an exported head."""
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, new_mode())
+
+
 def atomic_directory(directory: str | os.PathLike, fill: Callable[[Path], None]) -> Path:
     """Fill a temporary sibling of ``directory`` with ``fill(tmp)``, then swap it in.
 
@@ -64,7 +80,7 @@ def atomic_directory(directory: str | os.PathLike, fill: Callable[[Path], None])
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
         fill(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a head directory is an ordinary output
+        os.chmod(tmp, new_mode(directory=True))  # mkdtemp makes it private; a head directory is an ordinary output
         if directory.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old-", dir=directory.parent))
             os.replace(directory, old / directory.name)
@@ -98,7 +114,7 @@ def save_head(head: nn.Module, directory: str | os.PathLike, target: dict, *, tr
     state = {name: tensor.detach().contiguous().cpu() for name, tensor in head.state_dict().items()}
 
     def fill(tmp: Path) -> None:
-        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_tensors(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
         if write_extra is not None:
             write_extra(tmp)
         _write_json(tmp / CONFIG_NAME, config)  # last: a directory with config.json is complete

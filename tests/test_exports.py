@@ -70,7 +70,8 @@ def test_export_replaces_only_missing_or_empty_directories_and_earlier_exports(t
     assert contents(run) == before  # nothing of the run was touched
     out = export_head(head, tmp_path / "out")
     assert json.loads((out / EXPORT_MARKER).read_text()) == {"format": "headstart-export", "kind": "head",
-                                                             "layout": "sglang"}
+                                                             "layout": "sglang",
+                                                             "files": ["config.json", "model.safetensors"]}
     assert export_destination_problem(out) is None
     export_head(head, out)  # an earlier export is replaced
     (tmp_path / "empty").mkdir()
@@ -82,6 +83,52 @@ def test_export_replaces_only_missing_or_empty_directories_and_earlier_exports(t
     assert (tmp_path / "file").read_text() == "notes"
     export_head(head, run, force=True)  # asked for: the run is replaced by the export
     assert (run / EXPORT_MARKER).is_file() and not (run / "checkpoints").exists()
+
+
+def test_exporting_over_an_earlier_export_keeps_the_files_a_user_added(tmp_path):
+    """Only what the earlier export wrote is replaced: a user's notes (and a folder of their own) survive a new
+    export in another layout, also over an export written before markers listed their files."""
+    target = tiny_target()
+    head = eagle_head(target)
+    out = export_head(head, tmp_path / "exp")
+    (out / "NOTES.md").write_text("served on port 30000")
+    (out / "extra").mkdir()
+    (out / "extra" / "tokenizer.json").write_text("{}")
+    export_head(head, out, fmt="reference")
+    assert (out / "NOTES.md").read_text() == "served on port 30000"
+    assert (out / "extra" / "tokenizer.json").is_file()
+    assert not (out / "model.safetensors").exists() and (out / "pytorch_model.bin").is_file()  # ours: replaced
+    assert "NOTES.md" not in json.loads((out / EXPORT_MARKER).read_text())["files"]
+    legacy = json.loads((out / EXPORT_MARKER).read_text())
+    del legacy["files"]  # as earlier versions wrote it
+    (out / EXPORT_MARKER).write_text(json.dumps(legacy))
+    export_head(head, out)
+    assert (out / "NOTES.md").is_file() and not (out / "pytorch_model.bin").exists()
+
+
+def test_written_weights_follow_the_umask(tmp_path):
+    """Weight files are created as any other tool's files (safetensors alone would make them owner-only): a server
+    running as another user can read an exported head, its feature shards and the head training saved."""
+    import os
+    import stat
+
+    from heads.io import save_tensors
+
+    target = tiny_target()
+    old = os.umask(0o022)
+    try:
+        saved = save_head(eagle_head(target), tmp_path / "head",
+                          target_signature(target.model, target.identity, target.tokenizer))
+        exported = export_head(eagle_head(target), tmp_path / "exp")
+        save_tensors({"x": torch.zeros(2)}, tmp_path / "shard.safetensors")
+        for path in (saved / "model.safetensors", exported / "model.safetensors", tmp_path / "shard.safetensors"):
+            assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+        assert stat.S_IMODE(exported.stat().st_mode) == 0o755
+        os.umask(0o077)
+        save_tensors({"x": torch.zeros(2)}, tmp_path / "private.safetensors")
+        assert stat.S_IMODE((tmp_path / "private.safetensors").stat().st_mode) == 0o600
+    finally:
+        os.umask(old)
 
 
 def test_a_medusa2_head_refuses_a_target_without_its_adapters_merged_in(tmp_path):

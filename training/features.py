@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from heads.common import tokenizer_fingerprint
+from heads.io import save_tensors
 from runtime.target.assets import cache_dir
 from runtime.target.model import parse_dtype
 from training import engine as ds
@@ -93,7 +93,7 @@ def extract_offline(target, dataset, directory: Path, feature_layers: list[int],
             bar.update(len(chunk))
         path = _shard_path(directory, shard)
         partial = path.with_name(path.name + f".partial-{rank}")
-        save_file(tensors, str(partial))
+        save_tensors(tensors, partial)
         os.replace(partial, path)  # a shard is either complete or absent
     bar.close()
 

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from heads.io import save_tensors
 from training.features import pad_features, write_json
 from training.objectives import objective_class
 
@@ -100,7 +100,7 @@ class RecordingWriter:
         tensors = {f"{key}.{name}": value for key, sample in samples.items() for name, value in sample.items()}
         path = self.directory / f"shard-{first_conversation:07d}.safetensors"
         partial = path.with_name(path.name + ".partial")
-        save_file(tensors, str(partial))
+        save_tensors(tensors, partial)
         os.replace(partial, path)  # a shard is whole or absent
 
 

@@ -20,9 +20,10 @@ import sys
 from pathlib import Path
 
 import yaml
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from heads.io import CONFIG_NAME, FORMAT as HEAD_FORMAT, WEIGHTS_NAME, atomic_directory, read_head_config
+from heads.io import (CONFIG_NAME, FORMAT as HEAD_FORMAT, WEIGHTS_NAME, atomic_directory, read_head_config,
+                      save_tensors)
 from runtime.proposers.medusa import TOP_K, check_rank_paths
 from runtime.target.model import parse_dtype
 from training.objectives import objective_class
@@ -159,7 +160,7 @@ def write_shipped_head(run_dir: Path, destination: Path, config: dict, dtype: st
              for name, tensor in load_file(str(run_dir / "head" / WEIGHTS_NAME)).items()}
 
     def fill(tmp: Path) -> None:
-        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_tensors(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
         curves = run_dir / "curves.png"
         if curves.is_file():
             shutil.copy(curves, tmp / "curves.png")

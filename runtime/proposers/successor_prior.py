@@ -22,9 +22,10 @@ import time
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
+from heads.io import save_tensors
 from runtime.target.assets import cache_dir, write_json_atomically
 from runtime.engine.prompts import encode_prompt
 from runtime.target.model import Target
@@ -210,7 +211,6 @@ def successor_prior(target: Target, prefix: torch.Tensor | None = None,
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.partial")  # processes measuring at once each write their own
-    save_file({"tokens": prior.tokens.to(torch.int32).contiguous(), "probs": prior.probs.contiguous()},
-              str(partial))
+    save_tensors({"tokens": prior.tokens.to(torch.int32).contiguous(), "probs": prior.probs.contiguous()}, partial)
     os.replace(partial, path)
     return prior

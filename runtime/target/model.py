@@ -242,6 +242,7 @@ def _load_gguf(gguf_path: Path, dtype: torch.dtype, attn: str, quiet: bool):
 
     float_dir = _float_cache_for_gguf(gguf_path)
     if not (float_dir / "config.json").is_file():
+        check_gguf_complete(gguf_path)
         if not quiet:
             print(f"[headstart] dequantizing {gguf_path.name} once; cached at {float_dir}",
                   file=sys.stderr)
@@ -263,6 +264,18 @@ def _load_gguf(gguf_path: Path, dtype: torch.dtype, attn: str, quiet: bool):
     return model, tokenizer
 
 
+def check_gguf_complete(gguf_path: Path) -> None:
+    """Refuse a GGUF file that is cut short (an interrupted download or copy) before dequantizing it: its tensor
+    table points past the end of the file."""
+    import gguf
+
+    try:
+        gguf.GGUFReader(str(gguf_path))
+    except (ValueError, IndexError, OSError) as error:
+        raise ValueError(f"{gguf_path} is not a complete GGUF file ({gguf_path.stat().st_size} bytes; reading its "
+                         f"tensors failed: {error}); it was probably cut short: download or copy it again") from None
+
+
 def _from_pretrained_complete(name_or_path: str, **kwargs):
     """``AutoModelForCausalLM.from_pretrained`` that refuses to make up weights: transformers initialises any weight
     the checkpoint lacks at random (a config whose layer count no longer matches the weights, a truncated file) and
@@ -272,11 +285,21 @@ def _from_pretrained_complete(name_or_path: str, **kwargs):
     model, info = AutoModelForCausalLM.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
     missing = [key for key in info.get("missing_keys", ()) if "rotary_emb" not in key]
     if missing:
-        shown = ", ".join(sorted(missing)[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
-        raise ValueError(f"{name_or_path}: the weights lack {len(missing)} tensors the config asks for ({shown}); "
-                         f"the config does not match the weights (e.g. num_hidden_layers changed) or the checkpoint "
-                         f"is incomplete. Fix the config or the checkpoint; a model with made-up weights is refused.")
+        raise ValueError(f"{name_or_path}: the weights lack {len(missing)} tensors the config asks for "
+                         f"({_some(missing)}); the config does not match the weights (e.g. num_hidden_layers "
+                         f"changed) or the checkpoint is incomplete. Fix the config or the checkpoint; a model with "
+                         f"made-up weights is refused.")
+    unexpected = [key for key in info.get("unexpected_keys", ()) if "rotary_emb" not in key]
+    if unexpected:
+        raise ValueError(f"{name_or_path}: the weights hold {len(unexpected)} tensors the config has no place for "
+                         f"({_some(unexpected)}); the config does not match the weights (e.g. num_hidden_layers "
+                         f"lowered). Fix the config; a model that drops part of its weights is refused.")
     return model
+
+
+def _some(keys: list[str], shown: int = 6) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:shown]) + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
 
 
 def resolve_target(name_or_path: str) -> tuple[str, Path | None]:
