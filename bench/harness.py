@@ -29,7 +29,7 @@ from bench.prompts import MTBENCH
 from bench.report import MethodStats, output_summary, plot_histograms, summarize, summarize_batch
 from bench.timing import run_environment
 from runtime.engine.batched import BatchedDecoder
-from runtime.engine.decoder import SpeculativeDecoder
+from runtime.engine.decoder import SpeculativeDecoder, check_prompt_length
 from runtime.engine.prompts import batch_pad_token_id, encode_prompt
 from runtime.proposers import Proposer, build_proposer
 from runtime.target.assets import write_json_atomically
@@ -37,6 +37,17 @@ from runtime.target.cost_model import BATCH_SIZES, cost_curve, measure_pass_seco
 from runtime.target.machine import synchronized_seconds
 
 WARM_UP_TOKENS = 16  # enough for first-call allocations and lazy initialisation to stay out of the timings
+
+
+def encoded_prompts(target, prompts: list[dict], max_new_tokens: int) -> list[torch.Tensor]:
+    """Every prompt's token ids, each checked against the target's context before the first method runs (a prompt
+    found too long when its turn came would end a run after hours of others)."""
+    encoded = []
+    for prompt in prompts:
+        ids = encode_prompt(target.tokenizer, prompt["prompt"])
+        check_prompt_length(target, ids.numel(), max_new_tokens, f"prompt {prompt['id']}")
+        encoded.append(ids)
+    return encoded
 
 
 def run_ours(decoder, ids, max_new_tokens, temperature, seed):
@@ -133,7 +144,7 @@ def run_benchmark(target, target_name: str, methods: dict[str, Method], prompts:
     runner = MethodRunner(target, target_name, methods, build_proposers(methods, target), tree_size=tree_size,
                           temperature=temperature, seed=seed)
     try:
-        encoded = [encode_prompt(target.tokenizer, p["prompt"]) for p in prompts]
+        encoded = encoded_prompts(target, prompts, max_new_tokens)
         for name in runner.names:
             runner.run(name, encoded[0], WARM_UP_TOKENS)
         config = run_config(target, target_name, methods, prompts, prompts_source=prompts_source, stride=stride,
@@ -274,7 +285,7 @@ def run_batch_benchmark(target, target_name: str, methods: dict[str, Method], pr
     output = Path(output)
     runner = BatchRunner(target, target_name, methods, sizes, tree_size=tree_size)
     try:
-        encoded = [encode_prompt(target.tokenizer, p["prompt"]) for p in prompts]
+        encoded = encoded_prompts(target, prompts, max_new_tokens)
         chunks = [list(range(start, min(start + step, len(prompts)))) for start in range(0, len(prompts), step)]
         warm_up_batches(runner, target, encoded, chunks)
         config = {"mode": "batch", "batch_sizes": sizes, "chunk_size": step,

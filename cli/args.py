@@ -23,11 +23,14 @@ import argparse
 import math
 from pathlib import Path
 
+import torch
+
 from bench.methods import DecoderMethod, HFBaseline, Method
 from bench.peers import PEER_METHODS, PeerMethod, missing_package
 from bench.prompts import PROMPT_LINE_EXAMPLE, read_prompts
 from runtime.proposers import NoShippedHead, Proposer, build_proposer
 from runtime.proposers.spec import HEAD_PROPOSERS, LOOKUP_PROPOSERS, PROPOSER_NAMES, LookaheadSettings, ProposerSpec
+from runtime.target.model import target_context
 
 LOOKUP_FIRST = "+ngram"  # "eagle3+ngram": prompt lookup where it finds a match, the head elsewhere
 PROPOSER_CHOICES = (*PROPOSER_NAMES, *(name + LOOKUP_FIRST for name in LOOKUP_PROPOSERS))
@@ -111,6 +114,40 @@ def check_output_path(path: str | None, flag: str = "--output") -> None:
     if not target.parent.is_dir():
         raise usage_error(flag, f"the directory of {path} does not exist; create it first (mkdir -p "
                                 f"{target.parent}) or write elsewhere")
+
+
+def device(text: str) -> str:
+    """argparse ``type=`` of --device: a device this PyTorch build and machine have (``cuda`` on a CPU-only build
+    would fail after the target loaded)."""
+    try:
+        parsed = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; give cpu, cuda or cuda:N") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: this PyTorch build or machine has no CUDA device "
+                                         f"(torch {torch.__version__}); use --device cpu, or install a CUDA build")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return text
+
+
+def check_new_output(path: str | None, force: bool, flag: str = "--output") -> None:
+    """``check_output_path``, and an existing non-empty file is refused unless ``force``: a run replaces it only once
+    it has succeeded, and without --force not at all."""
+    check_output_path(path, flag)
+    if path is not None and not force and Path(path).is_file() and Path(path).stat().st_size:
+        raise usage_error(flag, f"{path} exists; write elsewhere, or pass --force to replace it once this run has "
+                                f"finished (until then it stays as it is)")
+
+
+def check_context(target_name: str, max_new_tokens: int, flag: str = "--max-new-tokens") -> None:
+    """A --max-new-tokens no prompt could fit with in the target's context, found from its config before the
+    weights load (nothing is said where the config cannot be read without loading: the check after loading
+    stands)."""
+    context = target_context(target_name)
+    if context is not None and max_new_tokens >= context:
+        raise usage_error(flag, f"{max_new_tokens} new tokens leave no room for a prompt in {target_name}'s context "
+                                f"of {context} positions; give fewer than {context}")
 
 
 def read_prompts_or_exit(path: str | None, limit: int | None = None, flag: str = "--prompts") -> list[dict]:

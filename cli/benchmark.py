@@ -26,16 +26,16 @@ from pathlib import Path
 import torch
 
 from bench.divergence import describe_divergences, rescore
-from bench.harness import run_batch_benchmark, run_benchmark
+from bench.harness import encoded_prompts, run_batch_benchmark, run_benchmark
 from bench.methods import batch_methods, check_batch_methods, default_methods, method_from_json
 from bench.peers import PeerMethod
 from bench.report import batch_markdown_table, markdown_table
 from runtime.proposers import NoShippedHead
 from runtime.target.model import DEFAULT_TARGET, load_target
 
-from cli.args import (check_early_exit, check_head_directories, check_output_path, missing_head,
-                 non_negative_float, parse_method, parse_methods, positive_int, positive_int_list,
-                 read_prompts_or_exit, usage_error)
+from cli.args import (check_context, check_early_exit, check_head_directories, check_output_path, device, missing_head,
+                      non_negative_float, parse_method, parse_methods, positive_int, positive_int_list,
+                      read_prompts_or_exit, usage_error)
 
 DEFAULT_METHODS = "hf-greedy,hf-pld,none,ngram"
 
@@ -65,7 +65,7 @@ def parse_args(argv=None):
     parser.add_argument("--temperature", type=non_negative_float, default=0.0)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--tree-size", type=positive_int, help="fix the tree size (default: from the cost curve)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", type=device)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="results.json")
     parser.add_argument("--rescore", metavar="RESULTS",
@@ -104,6 +104,7 @@ def check_batch_arguments(args, methods) -> None:
 def run_batch(args, methods, prompts) -> int:
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     check_early_exit(methods, target.num_layers)
+    check_prompts_fit(target, prompts, args.max_new_tokens)
     output = Path(args.output)
     try:
         results = run_batch_benchmark(target, args.target, methods, prompts, output, batch_sizes=args.batch_size,
@@ -139,6 +140,14 @@ def rescore_file(path: Path, device: str) -> int:
     return 0
 
 
+def check_prompts_fit(target, prompts: list[dict], max_new_tokens: int) -> None:
+    """Every prompt fits the context with ``max_new_tokens``, checked before the first method runs."""
+    try:
+        encoded_prompts(target, prompts, max_new_tokens)
+    except ValueError as error:
+        raise usage_error("--prompts", str(error)) from None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.rescore:
@@ -155,10 +164,12 @@ def main(argv=None) -> int:
     prompts = read_prompts_or_exit(args.prompts)[:: args.stride][: args.limit]
     check_output_path(args.output)
     check_output_path(args.plot, "--plot")
+    check_context(args.target, args.max_new_tokens)
     if args.batch_size is not None:
         return run_batch(args, methods, prompts)
     target = load_target(args.target, dtype=args.dtype, device=args.device)
     check_early_exit(methods, target.num_layers)
+    check_prompts_fit(target, prompts, args.max_new_tokens)
     output = Path(args.output)
     try:
         results = run_benchmark(target, args.target, methods, prompts, output, max_new_tokens=args.max_new_tokens,

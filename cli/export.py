@@ -121,7 +121,11 @@ def main(argv=None) -> int:
     if not name:
         raise usage_error("--target", "the head does not record its target; name it with --target")
     target = load_target(name, trust_remote_code=args.trust_remote_code, attn_implementation="sdpa")
-    head = load_head(args.head, target.model, identity=target.identity, tokenizer=target.tokenizer)
+    try:
+        head = load_head(args.head, target.model, identity=target.identity, tokenizer=target.tokenizer,
+                         config=saved)
+    except ValueError as error:  # trained for another target, or weights that do not match the config
+        raise usage_error("--target" if args.target else "HEAD", str(error)) from None
     dtype = parse_dtype(args.dtype) if args.dtype else None
     if args.format == "all":
         for fmt, where in export_all(head, args.out, dtype, force=args.force, base_model=name).items():

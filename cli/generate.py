@@ -13,26 +13,35 @@ same. Generation stops at the target's EOS, at the chat template's end-of-turn t
 --stop string. The proposer spellings are parsed by cli/args.py into a runtime.proposers.ProposerSpec.
 
 --batch-size N decodes N generations together (runtime.engine.batched.BatchedDecoder: continuous batching, each output
-the same as decoded alone, the same seeds); lines are still written in input order, once all are done, and "seconds" is
-each generation's own time from its prefill to its last token, overlapping the others'.
+the same as decoded alone, the same seeds); "seconds" is each generation's own time from its prefill to its last
+token, overlapping the others'.
+
+Nothing is lost: each generation is written as it finishes to OUTPUT.partial (flushed), and once every one is done
+OUTPUT gets them all in input order; a run that dies leaves OUTPUT as it was and the finished ones in OUTPUT.partial.
+An existing OUTPUT is replaced only with --force. Every prompt is checked against the context before the first
+generation starts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+
+import torch
 
 from tqdm import tqdm
 
 from runtime.engine.batched import BatchedDecoder
-from runtime.engine.decoder import SpeculativeDecoder
+from runtime.engine.decoder import SpeculativeDecoder, check_prompt_length
 from runtime.engine.prompts import TextStream, encode_prompt, end_of_turn_token_ids, prompt_seed
 from runtime.target.model import DEFAULT_TARGET, load_target
 
-from cli.args import (PROPOSER_CHOICES, build_proposer_or_exit, check_head_directories, check_output_path,
-                 non_negative_float, parse_proposer, positive_int, probability, read_prompts_or_exit, usage_error)
+from cli.args import (PROPOSER_CHOICES, build_proposer_or_exit, check_context, check_head_directories, check_new_output,
+                      device, non_negative_float, parse_proposer, positive_int, probability, read_prompts_or_exit,
+                      usage_error)
 
 
 def stop_text(text: str) -> str:
@@ -80,8 +89,10 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=positive_int, default=1,
                         help="generations decoded together (continuous batching; outputs as decoded one at a time)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--output", help="JSONL output file")
+    parser.add_argument("--device", default="cpu", type=device)
+    parser.add_argument("--output", help="JSONL output file (written once every generation is done; as they finish "
+                                         "to OUTPUT.partial)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --output once the run succeeds")
     return parser.parse_args(argv)
 
 
@@ -94,7 +105,8 @@ def check_args(args, spec) -> None:
     if args.draft_model and spec.name != "draft":
         raise usage_error("--draft-model", f"is for --proposer draft, not {args.proposer!r}; drop it, or use "
                                            "--proposer draft")
-    check_output_path(args.output)
+    check_new_output(args.output, args.force)
+    check_context(args.target, args.max_new_tokens)
 
 
 def read_inputs(args) -> list[dict]:
@@ -116,18 +128,100 @@ def print_streamed(chunks, tokenizer):
         print(text.push(chunk), end="", flush=True)
 
 
-def batched_results(decoder: BatchedDecoder, runs, args, tokenizer, stop_token_ids) -> list:
-    """Every run's GenerationResult, in input order, decoded ``args.batch_size`` at a time (each with the seed it gets
-    decoded alone)."""
-    ids = [encode_prompt(tokenizer, item["prompt"]) for _, item, _ in runs]
-    seeds = [prompt_seed(args.seed, index, sample) for index, _, sample in runs]
-    found = [None] * len(runs)
-    finished = decoder.results(ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, seeds=seeds,
-                               batch_size=args.batch_size, stop_token_ids=stop_token_ids, stop_strings=args.stop,
-                               tokenizer=tokenizer)
-    for position, result in tqdm(finished, total=len(runs), desc="generate", file=sys.stderr):
-        found[position] = result
-    return found
+class Output:
+    """The --output file, written without losing anything: records go to ``PATH.partial`` as generations finish
+    (each flushed to disk), and ``PATH`` is replaced by all of them in input order only once every one is done."""
+
+    def __init__(self, path: str | None):
+        self.path = Path(path) if path else None
+        self.records: dict[tuple[int, int], dict] = {}
+        self.sink = None
+        if self.path is not None:
+            self.partial = self.path.with_name(self.path.name + ".partial")
+            self.sink = open(self.partial, "w", encoding="utf-8")
+
+    def add(self, position: tuple[int, int], record: dict) -> None:
+        self.records[position] = record
+        if self.sink is not None:
+            self.sink.write(json.dumps(record) + "\n")
+            self.sink.flush()
+            os.fsync(self.sink.fileno())
+
+    def finish(self) -> None:
+        """All generations done: ``PATH`` holds them in input order (replaced atomically); the partial file goes."""
+        if self.sink is None:
+            return
+        self.sink.close()
+        done = self.path.with_name(self.path.name + ".done")
+        done.write_text("".join(json.dumps(self.records[key]) + "\n" for key in sorted(self.records)))
+        os.replace(done, self.path)
+        self.partial.unlink()
+        print(f"wrote {self.path.resolve()}", file=sys.stderr)
+
+    def abandon(self) -> None:
+        """The run died: ``PATH`` is untouched, and what finished is in the partial file."""
+        if self.sink is None:
+            return
+        self.sink.close()
+        if self.records:
+            print(f"[headstart] the run stopped; the {len(self.records)} generations that finished are in "
+                  f"{self.partial} ({self.path} is as it was)", file=sys.stderr)
+        else:
+            self.partial.unlink()
+
+
+def encoded_runs(args, prompts: list[dict], tokenizer, target) -> list[tuple[int, dict, int, torch.Tensor]]:
+    """(prompt index, prompt record, sample number, token ids) of every generation, each prompt checked against
+    the context before the first generation starts (a prompt found too long after others ran would lose them)."""
+    runs = []
+    for index, item in enumerate(prompts):
+        ids = encode_prompt(tokenizer, item["prompt"])
+        try:
+            check_prompt_length(target, ids.numel(), args.max_new_tokens, f"prompt {item['id']}")
+        except ValueError as error:
+            raise usage_error("--prompts" if args.prompts else "--prompt", str(error)) from None
+        runs += [(index, item, sample, ids) for sample in range(args.samples)]
+    return runs
+
+
+def record_of(args, item: dict, sample: int, result, tokenizer) -> dict:
+    record = {"id": item["id"], "prompt": item["prompt"], "output_ids": result.tokens,
+              "text": tokenizer.decode(result.tokens, skip_special_tokens=True),
+              "accept_lengths": result.accept_lengths, "target_forwards": result.target_forwards,
+              "seconds": round(result.seconds, 4)}
+    if args.samples > 1:
+        record["sample"] = sample
+    return record
+
+
+def report(args, result) -> None:
+    print(f"[{args.proposer}] {len(result.tokens)} tokens in {result.seconds:.2f} s "
+          f"({len(result.tokens) / max(result.seconds, 1e-9):.1f} tok/s), tau {result.tau:.2f}, "
+          f"{result.target_forwards} target forwards", file=sys.stderr)
+
+
+def generate_all(decoder, runs, args, tokenizer, stop_token_ids, output: Output) -> None:
+    """Every run, each recorded as it finishes: one at a time (the lone one streamed to the terminal), or
+    ``args.batch_size`` together (each with the seed it gets decoded alone)."""
+    settings = dict(stop_token_ids=stop_token_ids, stop_strings=args.stop, tokenizer=tokenizer)
+    if isinstance(decoder, BatchedDecoder):
+        seeds = [prompt_seed(args.seed, index, sample) for index, _, sample, _ in runs]
+        finished = decoder.results([ids for *_, ids in runs], args.max_new_tokens, args.temperature, args.top_k,
+                                   args.top_p, seeds=seeds, batch_size=args.batch_size, **settings)
+        for position, result in tqdm(finished, total=len(runs), desc="generate", file=sys.stderr):
+            index, item, sample, _ = runs[position]
+            output.add((index, sample), record_of(args, item, sample, result, tokenizer))
+            report(args, result)
+        return
+    for index, item, sample, ids in tqdm(runs, desc="generate", disable=len(runs) == 1, file=sys.stderr):
+        step = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=prompt_seed(args.seed, index, sample), **settings)
+        if len(runs) == 1:  # stream the one answer to the terminal as it is accepted
+            result = print_streamed(decoder.stream_tokens(ids, **step), tokenizer)
+        else:
+            result = decoder.generate(ids, **step)
+        output.add((index, sample), record_of(args, item, sample, result, tokenizer))
+        report(args, result)
 
 
 def main(argv=None) -> int:
@@ -137,54 +231,29 @@ def main(argv=None) -> int:
     check_args(args, spec)
     prompts = read_inputs(args)
     target = load_target(args.target, dtype=args.dtype, device=args.device)
+    tokenizer = target.tokenizer
+    runs = encoded_runs(args, prompts, tokenizer, target)
     proposer = build_proposer_or_exit(spec, target)
-    runs = [(index, item, sample) for index, item in enumerate(prompts) for sample in range(args.samples)]
-    single = len(runs) == 1
-    batched = args.batch_size > 1 and not single
+    batched = args.batch_size > 1 and len(runs) > 1
     decoder = (BatchedDecoder if batched else SpeculativeDecoder)(
         target, proposer, tree_size=args.tree_size, attention=args.attention, acceptance=args.acceptance)
     if args.acceptance == "typical":
         print("[headstart] typical acceptance is lossy: output may differ from the target's own", file=sys.stderr)
     print(f"[headstart] tree size: {decoder.tree_size_reason}", file=sys.stderr)
-    tokenizer = target.tokenizer
     # a chat model ends its reply with the template's end-of-turn token, which need not be its EOS
     stop_token_ids = sorted(target.eos_token_ids | end_of_turn_token_ids(tokenizer))
-    sink = open(args.output, "w") if args.output else None
+    output = Output(args.output)
     try:
-        done = iter(batched_results(decoder, runs, args, tokenizer, stop_token_ids)) if batched else None
-        for index, item, sample in runs if batched else tqdm(runs, desc="generate", disable=single, file=sys.stderr):
-            ids = encode_prompt(tokenizer, item["prompt"])
-            settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=prompt_seed(args.seed, index, sample),
-                            stop_token_ids=stop_token_ids, stop_strings=args.stop, tokenizer=tokenizer)
-            if done is not None:
-                result = next(done)
-            elif single:  # stream the one answer to the terminal as it is accepted
-                result = print_streamed(decoder.stream_tokens(ids, **settings), tokenizer)
-            else:
-                result = decoder.generate(ids, **settings)
-            record = {"id": item["id"], "prompt": item["prompt"], "output_ids": result.tokens,
-                      "text": tokenizer.decode(result.tokens, skip_special_tokens=True),
-                      "accept_lengths": result.accept_lengths, "target_forwards": result.target_forwards,
-                      "seconds": round(result.seconds, 4)}
-            if args.samples > 1:
-                record["sample"] = sample
-            if sink:
-                sink.write(json.dumps(record) + "\n")
-            print(f"[{args.proposer}] {len(result.tokens)} tokens in {result.seconds:.2f} s "
-                  f"({len(result.tokens) / max(result.seconds, 1e-9):.1f} tok/s), tau {result.tau:.2f}, "
-                  f"{result.target_forwards} target forwards", file=sys.stderr)
-    finally:
-        if sink:
-            sink.close()
+        generate_all(decoder, runs, args, tokenizer, stop_token_ids, output)
+    except BaseException:
+        output.abandon()
+        raise
+    output.finish()
     if batched:
         print(f"[headstart] batches of {args.batch_size}: {decoder.stats.as_dict()}", file=sys.stderr)
-    report = decoder.tree_size_report()
-    for name, drafter in report.get("drafters", {}).items():
+    for name, drafter in decoder.tree_size_report().get("drafters", {}).items():
         print(f"[headstart] {name}: tree sizes used (size: passes) {drafter['sizes']}, acceptance by depth "
               f"{drafter['acceptance_by_depth']}", file=sys.stderr)
-    if args.output:
-        print(f"wrote {Path(args.output).resolve()}", file=sys.stderr)
     return 0
 
 

@@ -20,11 +20,13 @@ from pathlib import Path
 from collections.abc import Callable
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from heads.base import DraftHead
 from heads.common import frozen_target_weights, target_signature
+from heads.layouts import load_into
 from heads.registry import HEAD_TYPES, build_head, head_class
 
 FORMAT = "headstart-head"
@@ -280,11 +282,13 @@ def load_head(directory: str | os.PathLike, target_model_or_config, *, identity:
     weights_path = directory / WEIGHTS_NAME
     if not weights_path.is_file():
         raise FileNotFoundError(f"{weights_path} is missing; the head directory is incomplete")
-    state = load_file(str(weights_path))
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{weights_path} does not match a {head_type} head with config {head_config}: "
-                         f"missing {missing}, unexpected {unexpected}")
+    try:
+        state = load_file(str(weights_path))
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{weights_path} cannot be read ({error}); it is truncated or damaged: copy the head "
+                         f"directory again, or save the head again") from None
+    load_into(head, state, weights_path, head_type, f"does not match its {CONFIG_NAME} (head_config {head_config} "
+              f"describes another head than the weights hold, e.g. another draft_vocab_size; save the head again)")
     if isinstance(target_model_or_config, nn.Module):
         embed, lm_head = frozen_target_weights(target_model_or_config)
         head.attach_target_weights(embed, lm_head)

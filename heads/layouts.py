@@ -144,8 +144,10 @@ def check_layer_settings(config: dict, target_config, where: Path, kind: str) ->
                          + ". Load a head trained for this target")
 
 
-def load_into(head: nn.Module, state: dict[str, torch.Tensor], where: Path, kind: str) -> None:
-    """Copy ``state`` into ``head`` (strict), naming missing and unexpected keys and every shape that differs."""
+def load_into(head: nn.Module, state: dict[str, torch.Tensor], where: Path, kind: str,
+              mismatch: str = "does not fit this target") -> None:
+    """Copy ``state`` into ``head`` (strict), naming missing and unexpected keys and every shape that differs (the
+    error says the head ``mismatch``)."""
     expected = head.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -154,7 +156,7 @@ def load_into(head: nn.Module, state: dict[str, torch.Tensor], where: Path, kind
     if missing or unexpected or shapes:
         parts = ([f"missing {missing}"] if missing else []) + ([f"unexpected {unexpected}"] if unexpected else []) + (
             [f"shapes differ: {'; '.join(shapes)}"] if shapes else [])
-        raise ValueError(f"the {kind} head at {where} does not fit this target: " + ", ".join(parts))
+        raise ValueError(f"the {kind} head at {where} {mismatch}: " + ", ".join(parts))
     head.load_state_dict({name: tensor.to(expected[name].dtype) for name, tensor in state.items()})
 
 

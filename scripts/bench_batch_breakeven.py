@@ -27,8 +27,7 @@ from runtime.proposers import build_proposer
 from runtime.target.cost_model import break_even_acceptance, measure_pass_seconds, pooled_depth_acceptance
 from runtime.target.model import load_target
 
-from cli.args import (check_head_directories, check_output_path, parse_proposer, positive_int,
-                 positive_int_list)
+from cli.args import check_head_directories, check_output_path, parse_proposer, positive_int, positive_int_list
 
 
 def main(argv=None) -> int:

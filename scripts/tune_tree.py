@@ -23,8 +23,7 @@ from runtime.proposers import NoProposer, ProposerSpec
 from runtime.proposers.eagle import EagleProposer
 from runtime.target.model import DEFAULT_TARGET, load_target
 
-from cli.args import (build_proposer_or_exit, non_negative_int, parse_grid_setting, positive_int,
-                 usage_error)
+from cli.args import build_proposer_or_exit, non_negative_int, parse_grid_setting, positive_int, usage_error
 
 
 def main(argv=None) -> int:

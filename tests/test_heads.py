@@ -98,6 +98,25 @@ def test_head_refuses_mismatched_target(tmp_path):
         load_head(tmp_path / "head", model, identity="tiny-b")
 
 
+def test_truncated_or_mismatched_head_weights_get_a_sentence_naming_the_file(tmp_path):
+    """A cut-short weights file, weights of another shape and a draft vocabulary the weights do not have are named
+    (file, tensor, shapes) as such, not left to a safetensors or load_state_dict traceback."""
+    model = tiny_target()
+    head_dir = save_head(make_head("eagle3", model), tmp_path / "head", target_signature(model, "tiny"))
+    weights = head_dir / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"model.safetensors cannot be read .*truncated or damaged"):
+        load_head(head_dir, model)
+    weights.write_bytes(whole)
+    config = json.loads((head_dir / "config.json").read_text())
+    config["head_config"]["draft_vocab_size"] = 32  # the weights hold 16 rows
+    (head_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"does not match its config.json .*draft_vocab_size.*lm_head.weight "
+                                         r"\(16, 32\) \(expected \(32, 32\)\)"):
+        load_head(head_dir, model)
+
+
 def test_head_without_target_weights_says_how_to_fix():
     model = tiny_target()
     head = EagleHead(EagleConfig(), model.config)

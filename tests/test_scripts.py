@@ -43,6 +43,57 @@ def test_generate_script_writes_jsonl(tiny_dir, tmp_path):
         assert line["target_forwards"] == len(line["accept_lengths"]) + 1
 
 
+def test_generate_never_empties_or_replaces_an_output_before_the_run_succeeds(tiny_dir, tmp_path, monkeypatch):
+    """--output: an existing file is refused without --force and left as it is; a prompt over the context is found
+    before the first generation; a run that dies keeps the generations that finished (in OUTPUT.partial, each
+    written as it finished) and leaves OUTPUT as it was; a run that succeeds replaces it, in input order."""
+    import cli.generate
+    from runtime.engine.decoder import SpeculativeDecoder
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"hello {i}"}) + "\n" for i in range(4)))
+    out = tmp_path / "out.jsonl"
+    out.write_text("an earlier run's line\n" * 4)
+    common = ["--target", str(tiny_dir), "--proposer", "ngram", "--prompts", str(prompts), "--max-new-tokens", "6",
+              "--output", str(out)]
+    with pytest.raises(SystemExit, match="--output: .* exists; .*--force"):
+        cli.generate.main(common)
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": "word " * 9000}) + "\n")
+    with pytest.raises(SystemExit, match="prompt 1 of .* tokens .* exceeds the target's context"):
+        cli.generate.main([*common[:5], str(long), *common[6:], "--force"])
+    with pytest.raises(SystemExit, match="--max-new-tokens: .* leave no room"):
+        cli.generate.main([*common[:7], "100000", *common[8:], "--force"])
+    generate, calls = SpeculativeDecoder.generate, []
+
+    def dies_at_the_third(self, *args, **kwargs):
+        partial = out.with_name(out.name + ".partial")
+        assert len(partial.read_text().splitlines()) == len(calls)  # each finished one is on disk already
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as a user's ^C (a kill -9 leaves the same files)
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", dies_at_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        cli.generate.main([*common, "--force"])
+    assert out.read_text() == "an earlier run's line\n" * 4
+    assert [json.loads(line)["id"] for line in out.with_name(out.name + ".partial").read_text().splitlines()] == [0, 1]
+    monkeypatch.setattr(SpeculativeDecoder, "generate", generate)
+    cli.generate.main([*common, "--force", "--batch-size", "3"])
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [0, 1, 2, 3]
+    assert not out.with_name(out.name + ".partial").exists()
+
+
+def test_generate_refuses_a_device_this_build_lacks_before_loading():
+    import cli.generate
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit):
+        cli.generate.parse_args(["--device", "cuda"])
+
+
 def test_generate_script_names_the_flag_of_a_mistake(tiny_dir):
     missing_draft = run_script("generate.py", "--proposer", "draft", "--prompt", "hi", check=False)
     assert missing_draft.returncode != 0 and "--proposer: draft needs --draft-model" in missing_draft.stderr

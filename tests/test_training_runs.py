@@ -474,6 +474,26 @@ def test_existing_run_needs_resume(tiny, tmp_path):
         run_config(tiny, tmp_path / "run", "eagle", 2, ["eval.at_start=false"])
 
 
+def test_a_refused_command_changes_nothing_in_the_run_directory(tiny, tmp_path):
+    """The run's .hydra files describe the run that happened: a later command refused (the directory holds a run and
+    resume is not asked for, an unknown key, a bad value) rewrites none of them and adds no log file. A key the typed
+    config lacks is refused with '+' as without it, and the refusal never suggests '+'."""
+    run = tmp_path / "run"
+    subprocess.run(_train_command(tiny, run, 1, []), check=True, env=_env(), cwd=ROOT, capture_output=True)
+    recorded = {path: path.read_bytes() for path in (run / ".hydra").iterdir()}
+    assert set(path.name for path in recorded) == {"config.yaml", "overrides.yaml", "hydra.yaml"}
+    before = sorted(str(path.relative_to(run)) for path in run.rglob("*"))
+    for extra, said in ((["trainer.max_steps=2"], "resume=true"), (["trainer.max_step=2"], "did you mean"),
+                        (["+trainer.max_step=2"], "did you mean trainer.max_steps"),
+                        (["trainer.micro_batch_size=0"], "must be >= 1")):
+        refused = subprocess.run(_train_command(tiny, run, 1, extra), env=_env(), cwd=ROOT, capture_output=True,
+                                 text=True)
+        assert refused.returncode != 0 and said in refused.stderr, refused.stderr[-2000:]
+        assert "Traceback" not in refused.stderr and "+trainer" not in refused.stderr.replace("'+'", "")
+        assert {path: path.read_bytes() for path in (run / ".hydra").iterdir()} == recorded, extra
+        assert sorted(str(path.relative_to(run)) for path in run.rglob("*")) == before, extra
+
+
 def curves(run_dir: Path) -> list[list[float]]:
     """curves.csv as numbers: one row per evaluation (step, tau, val_loss, acc@1..K, tokens, decoding_tau)."""
     return [[float(x) for x in line.split(",")] for line in (run_dir / "curves.csv").read_text().splitlines()[1:]]

@@ -14,6 +14,7 @@ complete checkpoint that passes three checks, each before DeepSpeed reads anythi
 from __future__ import annotations
 
 import json
+import pickle
 import os
 import re
 import shutil
@@ -93,8 +94,13 @@ def resume_candidates(root: Path) -> list[str]:
 # ----- saving
 
 def write_json_atomic(path: Path, value: dict) -> None:
+    write_text_atomic(path, json.dumps(value, indent=1))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole, or what it held before (a kill mid-write leaves a ``.partial`` sibling)."""
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(value, indent=1))
+    partial.write_text(text)
     os.replace(partial, path)
 
 
@@ -139,9 +145,12 @@ def safe_globals() -> list:
 
 def weights_only_load(path, map_location=None):
     """torch.load that builds tensors, plain containers and ``safe_globals()`` only (an unpickled file cannot run
-    code); anything else raises ``pickle.UnpicklingError`` naming it."""
-    with torch.serialization.safe_globals(safe_globals()):
-        return torch.load(path, map_location=map_location, weights_only=True)
+    code); anything else raises ``pickle.UnpicklingError`` naming it, and the file."""
+    try:
+        with torch.serialization.safe_globals(safe_globals()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise pickle.UnpicklingError(f"{path}: {error}") from None
 
 
 class WeightsOnlyLoads:

@@ -7,6 +7,9 @@ head type's own (its objective's ``conf_class``: training/objectives/).
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,18 +157,73 @@ def compose_config(overrides: list[str] = ()) -> TrainConfig:
 
 
 def compose_many(override_lists: list[list[str]]) -> list[TrainConfig]:
-    """Compose several override lists under one Hydra initialisation."""
+    """Compose several override lists under one Hydra initialisation. A key the typed config does not know is a
+    ValueError naming it and the keys of its section, with or without ``+`` (Hydra's own error suggests ``+key``,
+    which it then accepts and the typed config drops)."""
     from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException
 
     register_configs()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return [to_typed(compose(config_name=CONFIG_NAME, overrides=list(overrides))) for overrides in override_lists]
+        configs = []
+        for overrides in override_lists:
+            try:
+                composed = compose(config_name=CONFIG_NAME, overrides=list(overrides))
+            except ConfigCompositionException as error:
+                key = re.search(r"Could not override '([^']+)'", str(error))
+                if key is None:
+                    raise ValueError(f"the overrides {list(overrides)} do not compose: {error}") from None
+                base = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key[1]]
+                raise ValueError(unknown_key_message(key[1], compose(config_name=CONFIG_NAME,
+                                                                     overrides=base))) from None
+            configs.append(to_typed(composed))
+        return configs
 
 
 def to_typed(config) -> TrainConfig:
+    """The composed config as typed objects; a key the schema does not know (``+key=value``) is a ValueError rather
+    than a setting silently dropped."""
     from omegaconf import OmegaConf
 
+    unknown = unknown_keys(config)
+    if unknown:
+        raise ValueError(unknown_key_message(unknown[0], config))
     return OmegaConf.to_object(config)
+
+
+def unknown_keys(config, prefix: str = "") -> list[str]:
+    """Dotted keys of ``config`` (a composed DictConfig) that its typed sections have no field for."""
+    from omegaconf import DictConfig, OmegaConf
+
+    schema = OmegaConf.get_type(config)
+    names = {item.name for item in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    found = []
+    for key in config.keys():
+        if names is not None and key not in names:
+            found.append(f"{prefix}{key}")
+            continue
+        child = config._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            found += unknown_keys(child, f"{prefix}{key}.")
+    return found
+
+
+def unknown_key_message(key: str, config) -> str:
+    """What to say about ``key`` (dotted) that the typed config lacks: the keys its section has, the closest one."""
+    from omegaconf import OmegaConf
+
+    section, _, name = key.rpartition(".")
+    node = OmegaConf.select(config, section) if section else config
+    schema = OmegaConf.get_type(node) if node is not None else None
+    if dataclasses.is_dataclass(schema):
+        known = sorted(item.name for item in dataclasses.fields(schema))
+    else:
+        known = sorted(str(k) for k in node.keys() if k != name) if hasattr(node, "keys") else []
+    close = difflib.get_close_matches(name, known, n=1)
+    where = f"{section} has" if section else "the top level has"
+    hint = f"; did you mean {section + '.' if section else ''}{close[0]}?" if close else "."
+    return (f"{key} is not a training setting ({where} {', '.join(known)}){hint} The settings are typed: an unknown "
+            f"key is refused, with or without '+', rather than dropped")
 
 
 def validate(config: TrainConfig) -> None:
@@ -209,6 +267,10 @@ def validate(config: TrainConfig) -> None:
     local = config.data.source in ("json", "sharegpt") and config.features.mode != "recorded"
     if local and config.data.path and not Path(config.data.path).expanduser().is_file():
         problems.append(f"data.path={config.data.path}: no such file (a .json array or .jsonl of conversations)")
+    output = Path(config.output_dir).expanduser()
+    if output.exists() and not output.is_dir():
+        problems.append(f"output_dir={config.output_dir} is a file; a run writes a directory there: choose another "
+                        f"output_dir")
     if config.init_from and not Path(config.init_from).expanduser().is_dir():
         problems.append(f"init_from={config.init_from}: no such directory (a trained head: a run's OUTPUT_DIR/head, "
                         f"an export, or heads/shipped/NAME)")

@@ -27,6 +27,7 @@ import hashlib
 import statistics
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -50,9 +51,11 @@ from training.recorded import RecordedFeatures, RecordedStore
 from training.tracking import Tracker
 
 
-def train(conf: TrainConfig) -> dict:
-    """One training run of ``conf`` -> its summary (also written to OUTPUT_DIR/summary.json)."""
-    recipe = TrainRecipe(conf)
+def train(conf: TrainConfig, on_claimed: Callable[[Path], None] | None = None) -> dict:
+    """One training run of ``conf`` -> its summary (also written to OUTPUT_DIR/summary.json). ``on_claimed(run_dir)``
+    runs on the main process once the run directory is this run's (a new one, or the run ``resume=true``
+    continues with its checkpoint chosen): what records the command there (training/train.py: Hydra's files)."""
+    recipe = TrainRecipe(conf, on_claimed)
     recipe.setup()
     recipe.train()
     return recipe.finish()
@@ -77,9 +80,10 @@ class TrainRecipe:
     signature: dict  # the target the head is trained for (saved with it)
     depth: int  # draft steps an evaluation checks
 
-    def __init__(self, conf: TrainConfig):
+    def __init__(self, conf: TrainConfig, on_claimed: Callable[[Path], None] | None = None):
         validate(conf)
         self.conf = conf
+        self.on_claimed = on_claimed
         self.run_dir = Path(conf.output_dir)
         self.checkpoints = self.run_dir / "checkpoints"
         # ----- progress: optimizer steps done, tokens trained on (all ranks), evaluations so far, tokens/s of the
@@ -97,6 +101,8 @@ class TrainRecipe:
         self.dist = ds.setup_distributed(conf.trainer.device, conf.trainer.threads)
         self.claim_run_dir()
         resume_tag = self.choose_checkpoint()
+        if self.on_claimed is not None and self.dist.is_main:
+            self.on_claimed(self.run_dir)
         torch.manual_seed(conf.trainer.seed)
 
         recorded = None  # features.mode=recorded: the store, opened (and checked) before anything slow

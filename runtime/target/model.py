@@ -314,6 +314,28 @@ def resolve_target(name_or_path: str) -> tuple[str, Path | None]:
     return name_or_path, None
 
 
+def target_context(name_or_path: str) -> int | None:
+    """The longest prompt + generation a target decodes (``Target.max_positions``), read from its config alone
+    before any weights load: a cached or local config, or a GGUF's header; None where that would need a download or
+    a reading fails (the check after loading stands)."""
+    from transformers import AutoConfig
+
+    try:
+        _, gguf_path = resolve_target(name_or_path)
+        if gguf_path is not None:
+            cached = _float_cache_for_gguf(gguf_path) / "config.json"
+            if not cached.is_file():
+                return None
+            config = AutoConfig.from_pretrained(cached.parent)
+        else:
+            config = AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+    context = int(getattr(config, "max_position_embeddings", 1 << 20))
+    original = rescaling_rope_context(config)
+    return context if original is None else min(context, original)
+
+
 def same_model_identities(identity: str) -> set[str]:
     """``identity`` and every alias naming the same weights (heads trained for one alias fit the others)."""
     if identity not in ALIASES:
