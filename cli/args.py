@@ -30,7 +30,7 @@ from bench.peers import PEER_METHODS, PeerMethod, missing_package
 from bench.prompts import PROMPT_LINE_EXAMPLE, read_prompts
 from runtime.proposers import NoShippedHead, Proposer, build_proposer
 from runtime.proposers.spec import HEAD_PROPOSERS, LOOKUP_PROPOSERS, PROPOSER_NAMES, LookaheadSettings, ProposerSpec
-from runtime.target.model import target_context
+from runtime.target.model import load_target, target_context
 
 LOOKUP_FIRST = "+ngram"  # "eagle3+ngram": prompt lookup where it finds a match, the head elsewhere
 PROPOSER_CHOICES = (*PROPOSER_NAMES, *(name + LOOKUP_FIRST for name in LOOKUP_PROPOSERS))
@@ -150,6 +150,15 @@ def check_context(target_name: str, max_new_tokens: int, flag: str = "--max-new-
                                 f"of {context} positions; give fewer than {context}")
 
 
+def load_target_or_exit(name: str, flag: str = "--target", **settings):
+    """``runtime.target.model.load_target``, with a target that cannot be found or read (not cached and the hub out
+    of reach, a damaged file, a config that does not match its weights) reported as a command-line error."""
+    try:
+        return load_target(name, **settings)
+    except (OSError, ValueError) as error:
+        raise usage_error(flag, str(error)) from None
+
+
 def read_prompts_or_exit(path: str | None, limit: int | None = None, flag: str = "--prompts") -> list[dict]:
     """``bench.prompts.read_prompts``, with a missing or malformed file reported as a command-line error."""
     try:
@@ -231,7 +240,7 @@ def build_proposer_or_exit(spec: ProposerSpec, target, flag: str = "--proposer",
     except NoShippedHead as error:
         raise missing_head(error, flag, how) from None
     except (OSError, ValueError) as error:
-        if spec.name not in HEAD_PROPOSERS:
+        if spec.name not in (*HEAD_PROPOSERS, LOOKAHEAD):
             raise
         raise usage_error(flag, str(error)) from None
 

@@ -31,11 +31,11 @@ from bench.methods import batch_methods, check_batch_methods, default_methods, m
 from bench.peers import PeerMethod
 from bench.report import batch_markdown_table, markdown_table
 from runtime.proposers import NoShippedHead
-from runtime.target.model import DEFAULT_TARGET, load_target
+from runtime.target.model import DEFAULT_TARGET
 
-from cli.args import (check_context, check_early_exit, check_head_directories, check_output_path, device, missing_head,
-                      non_negative_float, parse_method, parse_methods, positive_int, positive_int_list,
-                      read_prompts_or_exit, usage_error)
+from cli.args import (load_target_or_exit, check_context, check_early_exit, check_head_directories, check_output_path,
+                      device, missing_head, non_negative_float, parse_method, parse_methods, positive_int,
+                      positive_int_list, read_prompts_or_exit, usage_error)
 
 DEFAULT_METHODS = "hf-greedy,hf-pld,none,ngram"
 
@@ -102,7 +102,7 @@ def check_batch_arguments(args, methods) -> None:
 
 
 def run_batch(args, methods, prompts) -> int:
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    target = load_target_or_exit(args.target, dtype=args.dtype, device=args.device)
     check_early_exit(methods, target.num_layers)
     check_prompts_fit(target, prompts, args.max_new_tokens)
     output = Path(args.output)
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     check_context(args.target, args.max_new_tokens)
     if args.batch_size is not None:
         return run_batch(args, methods, prompts)
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    target = load_target_or_exit(args.target, dtype=args.dtype, device=args.device)
     check_early_exit(methods, target.num_layers)
     check_prompts_fit(target, prompts, args.max_new_tokens)
     output = Path(args.output)

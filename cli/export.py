@@ -33,9 +33,9 @@ from pathlib import Path
 from heads.formats import EXPORT_FORMATS, export_refusal
 from heads.export import default_export_format, export_all, export_destination_problem, export_head, write_export
 from heads.io import MERGED_ADAPTERS_KEY, adapter_fingerprint, load_head, read_head_config, target_adapters
-from runtime.target.model import load_target, parse_dtype
+from runtime.target.model import parse_dtype
 
-from cli.args import usage_error
+from cli.args import load_target_or_exit, usage_error
 
 
 def parse_args(argv=None):
@@ -120,7 +120,8 @@ def main(argv=None) -> int:
     name = args.target or saved["target"].get("identity")
     if not name:
         raise usage_error("--target", "the head does not record its target; name it with --target")
-    target = load_target(name, trust_remote_code=args.trust_remote_code, attn_implementation="sdpa")
+    target = load_target_or_exit(name, "--target" if args.target else "HEAD",
+                                 trust_remote_code=args.trust_remote_code, attn_implementation="sdpa")
     try:
         head = load_head(args.head, target.model, identity=target.identity, tokenizer=target.tokenizer,
                          config=saved)

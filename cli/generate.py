@@ -37,11 +37,11 @@ from tqdm import tqdm
 from runtime.engine.batched import BatchedDecoder
 from runtime.engine.decoder import SpeculativeDecoder, check_prompt_length
 from runtime.engine.prompts import TextStream, encode_prompt, end_of_turn_token_ids, prompt_seed
-from runtime.target.model import DEFAULT_TARGET, load_target
+from runtime.target.model import DEFAULT_TARGET
 
-from cli.args import (PROPOSER_CHOICES, build_proposer_or_exit, check_context, check_head_directories, check_new_output,
-                      device, non_negative_float, parse_proposer, positive_int, probability, read_prompts_or_exit,
-                      usage_error)
+from cli.args import (load_target_or_exit, PROPOSER_CHOICES, build_proposer_or_exit, check_context,
+                      check_head_directories, check_new_output, device, non_negative_float, parse_proposer,
+                      positive_int, probability, read_prompts_or_exit, usage_error)
 
 
 def stop_text(text: str) -> str:
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     check_head_directories([spec], "--head" if args.head else "--proposer")
     check_args(args, spec)
     prompts = read_inputs(args)
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    target = load_target_or_exit(args.target, dtype=args.dtype, device=args.device)
     tokenizer = target.tokenizer
     runs = encoded_runs(args, prompts, tokenizer, target)
     proposer = build_proposer_or_exit(spec, target)

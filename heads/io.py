@@ -71,6 +71,29 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, meta
     os.chmod(path, new_mode())
 
 
+def safetensors_damage(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is not a whole safetensors file (cut short by a kill or a copy, not safetensors at all), or
+    None. Reads only its header."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        start = handle.read(8)
+        if len(start) < 8:
+            return f"{path} is cut short ({size} bytes: not even a safetensors header)"
+        length = int.from_bytes(start, "little")
+        if 8 + length > size:
+            return f"{path} is cut short ({size} bytes; its header alone takes {8 + length})"
+        try:
+            header = json.loads(handle.read(length))
+            end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
+                      default=0)
+        except (ValueError, KeyError, TypeError, IndexError):
+            return f"{path} is not a safetensors file (its header does not read)"
+    if 8 + length + end > size:
+        return f"{path} is cut short ({size} bytes of the {8 + length + end} its tensors take)"
+    return None
+
+
 def atomic_directory(directory: str | os.PathLike, fill: Callable[[Path], None]) -> Path:
     """Fill a temporary sibling of ``directory`` with ``fill(tmp)``, then swap it in.
 

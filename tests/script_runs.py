@@ -53,7 +53,8 @@ def save_tiny_model(directory: Path) -> Path:
 # mistake must be reported before anything loads, and a correct command gets as far as loading ("loads").
 CHECK_ARGUMENTS = r"""
 import contextlib, io, json, sys
-import benchmark, export, generate
+import cli.args
+from cli import benchmark, export, generate
 
 class Loaded(Exception):
     pass
@@ -62,8 +63,7 @@ def load_target(*args, **kwargs):
     raise Loaded()
 
 scripts = {"generate": generate, "benchmark": benchmark, "export": export}
-for module in scripts.values():
-    module.load_target = load_target
+cli.args.load_target = load_target  # what every command loads its target through
 out = []
 for script, argv in json.loads(sys.argv[1]):
     stderr = io.StringIO()

@@ -15,8 +15,8 @@ from heads.medusa import MedusaConfig, MedusaHeads
 from runtime.engine.decoder import SpeculativeDecoder
 from runtime.proposers import ProposerSpec, build_proposer
 from runtime.target.model import load_target
-from tests.conftest import tiny_target
-from tests.script_runs import check_arguments, run_script, save_tiny_model
+from tests.conftest import tiny_model, tiny_target
+from tests.script_runs import check_arguments, default_tokenizer, run_script, save_tiny_model
 
 
 def eagle_head(target):
@@ -232,3 +232,17 @@ def test_a_medusa2_head_runs_on_the_target_export_merges_its_adapters_into(tiny_
     assert refused.returncode != 0 and "Traceback" not in refused.stderr
     assert "--merged-target MERGED_DIR" in refused.stderr and "trained with LoRA adapters" in refused.stderr
     run_script(*generate, "--target", merged_dir)
+
+
+def test_export_script_names_a_head_that_does_not_fit_its_target(tiny_run, tmp_path):
+    """A head exported against another target (--target) is refused with generate.py's sentence, not a traceback."""
+    _, run, _ = tiny_run
+    other = tmp_path / "other"
+    tokenizer = default_tokenizer()
+    tiny_model("llama", vocab_size=len(tokenizer), num_hidden_layers=1, hidden_size=24,
+               intermediate_size=32).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    refused = run_script("export.py", run / "head", tmp_path / "out", "--target", other, check=False)
+    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    assert "--target: the eagle head at" in refused.stderr and "hidden size" in refused.stderr
+    assert not (tmp_path / "out").exists()

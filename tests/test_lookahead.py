@@ -316,6 +316,23 @@ def test_settings_from_cost_curves():
     assert expected_tokens(LookaheadSettings(2, 3, 2, 7)) > expected_tokens(LookaheadSettings(2, 3, 2))
 
 
+def test_sizes_no_pass_can_pay_for_are_refused_with_the_largest_window_that_would():
+    """An unbounded window (lookahead:5000,3,2) would allocate or compute for minutes before anything is said: sizes
+    whose pass costs more, on the machine's cost curve, than the most tokens its tree can return, or that do not fit
+    the context, are refused at once with the largest window that would do."""
+    from runtime.proposers.lookahead import check_settings_pay
+
+    curve = {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.4, 32: 1.9, 64: 3.0}
+    check_settings_pay(LookaheadSettings(8, 3, 8, 7), curve, 8192)  # a pass of 39 rows returns up to 24 tokens
+    with pytest.raises(ValueError, match="10004 rows, more than the target's context of 8192 .*at most 51"):
+        check_settings_pay(LookaheadSettings(5000, 3, 2), curve, 8192)
+    with pytest.raises(ValueError, match=r"about \d+ one-row passes .*more than the 5 tokens .*at most 51"):
+        check_settings_pay(LookaheadSettings(400, 3, 2), curve, 8192)
+    target = target_from_model(tiny_model("llama", vocab_size=VOCAB), identity="tiny")
+    with pytest.raises(ValueError, match="lookahead W=5000"):
+        LookaheadProposer.for_target(target, LookaheadSettings(5000, 3, 2))
+
+
 def test_settings_are_checked():
     with pytest.raises(ValueError, match="ngram must be >= 3"):
         LookaheadSettings(4, 2, 4)

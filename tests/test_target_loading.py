@@ -126,3 +126,22 @@ def test_a_composite_models_attention_settings_come_back_after_a_pass(monkeypatc
     cache = target.new_cache(1, 8)
     target.forward(torch.tensor([[1, 2, 3]]), torch.arange(3)[None], cache, None)
     assert (config._attn_implementation, config.text_config._attn_implementation) == ("sdpa", "eager")
+
+
+def test_an_hf_id_neither_cached_nor_reachable_is_named_at_once(monkeypatch):
+    """Not in the cache and no hub within reach: a sentence naming the id and what to pass instead, before
+    transformers' retries (most of a minute) and their traceback."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match="someorg/missing-model is not in the local Hugging Face cache and "
+                                                "HF_HUB_OFFLINE is set; pass a local model directory"):
+        load_target("someorg/missing-model")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+    def unreachable(self, name, timeout=None):
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", unreachable)
+    with pytest.raises(FileNotFoundError, match="the hub cannot be reached .*Name or service not known"):
+        load_target("someorg/missing-model")

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from heads.registry import HEAD_TYPES
 from training.config import CONFIG_DIR, TrainConfig, compose_config, compose_many, find_config_dir, validate
@@ -75,20 +74,29 @@ def test_defaults_are_the_embedded_ones():
     assert config.head.lora.enabled and config.deepspeed.offload_optimizer
 
 
-def test_unknown_key_fails_with_hydra_error():
-    with pytest.raises(ConfigCompositionException, match="head.ttt_steps"):
+def test_an_unknown_key_is_refused_with_or_without_plus_and_never_dropped():
+    """A key the typed config lacks is named with its section's keys and the closest one, whether it came with '+'
+    (which Hydra accepts, and the typed config would then drop) or without (where Hydra's own error suggests '+')."""
+    with pytest.raises(ValueError, match=r"head.ttt_steps is not a training setting \(head has .*num_heads"):
         compose_config(["head=medusa", "head.ttt_steps=3"])
-    with pytest.raises(ConfigCompositionException, match="trainer.max_stepz"):
-        compose_config(["trainer.max_stepz=3"])
-    with pytest.raises(ConfigCompositionException):
+    for spelling in ("trainer.max_step=2", "+trainer.max_step=2"):
+        with pytest.raises(ValueError, match="trainer.max_step is not a training setting .*did you mean "
+                                             "trainer.max_steps\\?") as error:
+            compose_config([spelling])
+        assert "+trainer" not in str(error.value)
+    with pytest.raises(ValueError, match="bogus is not a training setting"):
+        compose_config(["+bogus=1"])
+    with pytest.raises(ValueError, match="trainer.max_steps=many .*could not be converted"):
         compose_config(["trainer.max_steps=many"])
+    with pytest.raises(ValueError, match="output_dir=.* is a file"):
+        validate(compose_config([f"output_dir={__file__}"]))
 
 
 def test_unknown_group_option_lists_the_choices():
-    with pytest.raises(MissingConfigException, match="Could not find 'head/eagle4'") as error:
+    with pytest.raises(ValueError, match="Could not find 'head/eagle4'") as error:
         compose_config(["head=eagle4"])
     assert "eagle3" in str(error.value)
-    with pytest.raises(MissingConfigException, match="deepspeed/zero4"):
+    with pytest.raises(ValueError, match="deepspeed/zero4"):
         compose_config(["deepspeed=zero4"])
 
 
@@ -260,3 +268,49 @@ def test_the_data_cache_is_keyed_on_the_files_content_not_its_size_and_time(tmp_
     assert cache_key(conf, None) != before
     path.write_text('{"conversations": [{"from": "human", "value": "hello"}]}\n')
     assert cache_key(conf, None) == before  # the same content, whatever its time
+
+
+def test_a_cut_short_feature_shard_names_its_store_before_training(tmp_path):
+    """A shard cut short (a kill or a copy) is found when the store opens, naming the store, the shard and the fix,
+    not as a safetensors error at the step that first reads it."""
+    import pytest
+    import torch
+
+    from heads.io import safetensors_damage, save_tensors
+    from training.features import MANIFEST, OfflineFeatures, write_manifest
+    from training.recorded import RECORDING, RecordedStore
+
+    store = tmp_path / "store"
+    store.mkdir()
+    save_tensors({"0.hidden": torch.zeros(5, 4), "1.hidden": torch.ones(5, 4)}, store / "shard-00000.safetensors")
+    write_manifest(store, 2, {})
+    assert OfflineFeatures(store, 2).sample(1)["hidden"].sum() == 20
+    shard = store / "shard-00000.safetensors"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:-16])
+    assert "cut short" in safetensors_damage(shard)
+    with pytest.raises(ValueError, match=f"offline feature store {store} is damaged: .*shard-00000.safetensors is cut "
+                                         f"short .*{MANIFEST}"):
+        OfflineFeatures(store, 2)
+    recorded = tmp_path / "recorded"
+    recorded.mkdir()
+    (recorded / RECORDING).write_text("{}")
+    (recorded / "shard-0000000.safetensors").write_bytes(whole[:40])
+    with pytest.raises(ValueError, match=f"recorded store {recorded} is damaged: .*cut short"):
+        RecordedStore(recorded, 64)
+
+
+def test_a_pickle_weights_only_refuses_names_its_file(tmp_path):
+    """The refusal of a checkpoint pickle that holds more than tensors and plain data says which file it was."""
+    import pickle
+    from fractions import Fraction
+
+    import pytest
+    import torch
+
+    from training.checkpoints import weights_only_load
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"scale": Fraction(1, 2)}, path)
+    with pytest.raises(pickle.UnpicklingError, match=f"{path}: refused to unpickle \\(it needs fractions.Fraction"):
+        weights_only_load(path)

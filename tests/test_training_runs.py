@@ -575,6 +575,44 @@ def test_self_distillation_regenerates_replies_and_resumes(tiny, tmp_path):
         self_distill(conf, out, settings)
 
 
+def test_self_distillation_never_mixes_records_made_two_ways(tiny, tmp_path):
+    """A rerun into the same file with another data file (even one of the same size and time), temperature, proposer
+    or reply length is refused before anything is generated, naming what differs; more conversations of the same
+    kind are appended."""
+    import os
+
+    from runtime.proposers import ProposerSpec
+    from training.selfdistill import MADE_BY, DistillSettings, self_distill
+
+    target, data = tiny
+    other = tmp_path / "other.jsonl"
+    text = Path(data).read_text()
+    other.write_text(text.replace("a", "e", 1))  # same size, another conversation
+    os.utime(other, ns=(Path(data).stat().st_atime_ns, Path(data).stat().st_mtime_ns))
+
+    def conf(path, samples=3):
+        return compose_config(["target=hf", f"target.name={target}", "data=json", f"data.path={path}",
+                               f"data.max_samples={samples}", "data.val_samples=1"])
+
+    out = tmp_path / "sd.jsonl"
+    settings = DistillSettings(max_new_tokens=8, batch_size=2, chunk=2)
+    self_distill(conf(data), out, settings)
+    written = out.read_text()
+    assert (tmp_path / f"sd.jsonl{MADE_BY}").is_file()
+    for changed, said in ((conf(other), "data.content"), (conf(data), "generation.temperature"),
+                          (conf(data), "generation.proposer"), (conf(data), "generation.max_new_tokens")):
+        variant = {"generation.temperature": DistillSettings(max_new_tokens=8, temperature=0.7),
+                   "generation.proposer": DistillSettings(max_new_tokens=8, proposer=ProposerSpec("ngram")),
+                   "generation.max_new_tokens": DistillSettings(max_new_tokens=9)}.get(said, settings)
+        with pytest.raises(ValueError, match=f"made otherwise .*{said}"):
+            self_distill(changed, out, variant)
+        assert out.read_text() == written
+    assert self_distill(conf(data, samples=4), out, settings).conversations == 1  # the next conversation, appended
+    (tmp_path / f"sd.jsonl{MADE_BY}").unlink()
+    with pytest.raises(ValueError, match="no sd.jsonl.made.json saying what made them"):
+        self_distill(conf(data, samples=5), out, settings)
+
+
 def test_self_distillation_prompts_keep_their_end(tiny):
     from runtime.target.model import load_target
     from training.selfdistill import prompt_ids

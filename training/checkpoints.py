@@ -150,7 +150,11 @@ def weights_only_load(path, map_location=None):
         with torch.serialization.safe_globals(safe_globals()):
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as error:
-        raise pickle.UnpicklingError(f"{path}: {error}") from None
+        refused = re.search(r"GLOBAL (\S+)", str(error))
+        what = f"it needs {refused[1]}" if refused else str(error).splitlines()[0]
+        raise pickle.UnpicklingError(f"{path}: refused to unpickle ({what}); a checkpoint of this trainer holds "
+                                     f"tensors and plain data only, and a file that needs more could run code. "
+                                     f"Delete it if you did not write it") from None
 
 
 class WeightsOnlyLoads:

@@ -172,7 +172,9 @@ def compose_many(override_lists: list[list[str]]) -> list[TrainConfig]:
             except ConfigCompositionException as error:
                 key = re.search(r"Could not override '([^']+)'", str(error))
                 if key is None:
-                    raise ValueError(f"the overrides {list(overrides)} do not compose: {error}") from None
+                    cause = str(error.__cause__).splitlines()[0] if error.__cause__ else ""
+                    raise ValueError(f"the overrides {list(overrides)} do not compose: {error}"
+                                     + (f" ({cause})" if cause else "")) from None
                 base = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key[1]]
                 raise ValueError(unknown_key_message(key[1], compose(config_name=CONFIG_NAME,
                                                                      overrides=base))) from None

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from heads.common import tokenizer_fingerprint
-from heads.io import save_tensors
+from heads.io import safetensors_damage, save_tensors
 from runtime.target.assets import cache_dir
 from runtime.target.model import parse_dtype
 from training import engine as ds
@@ -128,6 +128,12 @@ class OfflineFeatures:
         self.directory = directory
         self.shard_size = manifest["shard_size"]
         self._handles: dict[int, object] = {}
+        for shard in range(-(-num_samples // self.shard_size)):  # before the first step, not when a read fails
+            path = _shard_path(directory, shard)
+            damage = safetensors_damage(path) if path.is_file() else f"{path} is missing"
+            if damage:
+                raise ValueError(f"the offline feature store {directory} is damaged: {damage}. Delete {path} (the "
+                                 f"store's manifest too: {directory / MANIFEST}) and run again to extract it anew")
 
     def _handle(self, shard: int):
         if shard not in self._handles:

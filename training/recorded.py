@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from heads.io import save_tensors
+from heads.io import safetensors_damage, save_tensors
 from training.features import pad_features, write_json
 from training.objectives import objective_class
 
@@ -146,6 +146,10 @@ class RecordedStore:
         self._shards: dict[str, Path] = {}  # sample key -> its shard
         self._names: dict[str, set[str]] = {}  # sample key -> its tensors
         for shard in sorted(self.directory.glob("shard-*.safetensors")):
+            damage = safetensors_damage(shard)
+            if damage:
+                raise ValueError(f"the recorded store {self.directory} is damaged: {damage}. Delete that shard to "
+                                 f"train on the others, or record the store anew")
             with safe_open(str(shard), framework="pt") as handle:
                 names = handle.keys()
             for name in names:

@@ -28,12 +28,14 @@ from runtime.proposers.base import NoProposer
 from runtime.proposers.spec import ProposerSpec
 from runtime.target.model import load_target
 from training.config import TrainConfig, validate
-from training.data import collect_conversations, resolve_template
+from training.data import collect_conversations, content_digest, resolve_template
 from training.engine import pick_device
+from training.features import write_json
 from training.recipe import target_dtype
 from training.recorded import RecordingWriter, recorded_layers, recorded_sample, sample_key
 
 STORE_DTYPE = torch.bfloat16  # recorded features' storage: what offline stores use for hidden states at scale
+MADE_BY = ".made.json"  # beside a self-distilled file: what made its records (``made_by``)
 
 
 def finished_ids(out: Path) -> set[int]:
@@ -151,6 +153,7 @@ def self_distill(conf: TrainConfig, out: Path, settings: DistillSettings = Disti
     generated."""
     validate(conf)
     done = finished_ids(out)  # before any slow work: a damaged file is reported first
+    check_made_by(out, made_by(conf, settings), bool(done))
     conversations = collect_conversations(conf.data)
     device = pick_device(conf.trainer.device, 0, torch.cuda.is_available())
     target = load_target(conf.target.name, dtype=settings.dtype or target_dtype(conf, device), device=device,
@@ -211,6 +214,54 @@ def self_distill(conf: TrainConfig, out: Path, settings: DistillSettings = Disti
             bar.update(len(chunk))
     bar.close()
     return stats
+
+
+def made_by(conf: TrainConfig, settings: DistillSettings) -> dict:
+    """What makes a self-distilled file's records what they are: the target and its dtype, the data (by content) and
+    how prompts are made of it, and how replies are generated. A resumed run must match it; ``data.max_samples`` may
+    grow (a longer run appends the next conversations)."""
+    data = conf.data
+    local = data.source != "hf" and data.path and Path(data.path).expanduser().is_file()
+    return {"target": conf.target.name, "dtype": settings.dtype or conf.target.dtype,
+            "data": {"source": data.source, "path": data.path, "content": content_digest(data.path) if local else None,
+                     "split": data.split, "subset": data.subset, "max_length": data.max_length,
+                     "chat_template": data.chat_template},
+            "generation": {"max_new_tokens": settings.max_new_tokens, "max_turns": settings.max_turns,
+                           "temperature": settings.temperature, "top_p": settings.top_p, "seed": settings.seed,
+                           "proposer": settings.proposer.label if settings.proposer is not None else "none"}}
+
+
+def check_made_by(out: Path, wanted: dict, has_records: bool) -> None:
+    """Refuse to add records to ``out`` that another target, data file (by content), temperature, proposer or length
+    made; record what makes them (``OUT.made.json``) when ``out`` starts."""
+    record = out.with_name(out.name + MADE_BY)
+    if record.is_file():
+        found = json.loads(record.read_text())
+        differences = [f"{key}: the file has {found_value!r}, this run {wanted_value!r}"
+                       for key, found_value, wanted_value in flat_differences(found, wanted)]
+        if differences:
+            raise ValueError(f"{out} holds replies made otherwise than this run would make them ("
+                             + "; ".join(differences) + f"). Write to another --out, or delete {out} and {record} "
+                             f"to generate it anew; records made two ways are never mixed in one file")
+        return
+    if has_records:
+        raise ValueError(f"{out} holds records but no {record.name} saying what made them (an earlier version wrote "
+                         f"it, or it was copied without it), so this run cannot tell whether its replies would match; "
+                         f"write to another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(record, wanted)
+
+
+def flat_differences(found: dict, wanted: dict, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, found value, wanted value) for every leaf of either dict that differs."""
+    differences = []
+    for key in sorted(set(found) | set(wanted)):
+        a, b = found.get(key), wanted.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            differences += flat_differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            differences.append((f"{prefix}{key}", a, b))
+    return differences
 
 
 def recording_description(conf: TrainConfig, settings: DistillSettings, target, layers: list[int]) -> dict:

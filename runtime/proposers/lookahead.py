@@ -53,6 +53,7 @@ recently recorded dropped first, and single tokens by the vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
@@ -331,6 +332,25 @@ def choose_settings(curve: dict[int, float]) -> tuple[LookaheadSettings, str]:
                   f"cost curve under the prior ({value:.2f}x plain decoding's)")
 
 
+def check_settings_pay(settings: LookaheadSettings, curve: dict[int, float], context: int) -> None:
+    """Refuse sizes no pass can pay for: a pass whose rows cost, on ``curve`` (this machine's cost curve, extrapolated
+    in proportion past its largest size), as much as the most tokens its tree can return decoded one at a time; or
+    one that does not fit the target's ``context``. The error gives the largest window that would do."""
+    rows, most = pass_rows(settings), settings.tree_size
+    cost = interpolated_cost(curve, rows)
+    if cost < most and rows < context:
+        return
+    fitting = [w for w in range(1, MAX_WINDOW * 64) if pass_rows(dataclasses.replace(settings, window=w)) < context
+               and interpolated_cost(curve, pass_rows(dataclasses.replace(settings, window=w))) < most]
+    fix = (f"a window of at most {max(fitting)} with these N, G and R" if fitting else
+           "fewer candidates or recycled nodes")
+    why = (f"more than the target's context of {context} positions" if rows >= context else
+           f"about {cost:.0f} one-row passes on this machine's cost curve, more than the {most} tokens its tree can "
+           f"return at most")
+    raise ValueError(f"lookahead {settings}: a pass carries {rows} rows, {why}; give {fix}, or leave the sizes out "
+                     f"to have them chosen from the cost curve")
+
+
 @dataclass
 class LookaheadState:
     """One generation's window and pool. ``root``: the root of the pass whose window's logits come back next (None
@@ -393,6 +413,7 @@ class LookaheadProposer(Proposer):
         successor prior (measured once, cached) where the settings recycle successors and ask for one, unless
         measuring it would take too long on this device (``runtime.proposers.successor_prior.PRIOR_BUDGET_SECONDS``)."""
         if settings is not None:
+            check_settings_pay(settings, cost_curve(target), target.max_positions)
             reason = f"{settings}, as given"
         else:
             settings, reason = choose_settings(cost_curve(target))

@@ -314,6 +314,28 @@ def resolve_target(name_or_path: str) -> tuple[str, Path | None]:
     return name_or_path, None
 
 
+def check_hub_model(name: str) -> None:
+    """An HF model id that is neither in the local cache nor on a hub this machine reaches is named at once, not after
+    transformers' retries (most of a minute) end in a traceback."""
+    import huggingface_hub
+    from huggingface_hub.utils import HfHubHTTPError
+
+    if isinstance(huggingface_hub.try_to_load_from_cache(name, "config.json"), str):
+        return
+    hint = (f"pass a local model directory or .gguf file, the default target ({DEFAULT_TARGET}), or an id already in "
+            f"the cache ({huggingface_hub.constants.HF_HUB_CACHE})")
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        raise FileNotFoundError(f"{name} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; {hint}")
+    try:
+        huggingface_hub.HfApi().model_info(name, timeout=10)
+    except HfHubHTTPError as error:
+        raise FileNotFoundError(f"{name} is not on the Hugging Face hub ({error.response.status_code}: a typo, or a "
+                                f"gated or private model needing a token); {hint}") from None
+    except Exception as error:  # the HTTP client's own connection errors: the hub is out of reach
+        raise FileNotFoundError(f"{name} is not in the local Hugging Face cache and the hub cannot be reached "
+                                f"({type(error).__name__}: {error}); {hint}") from None
+
+
 def target_context(name_or_path: str) -> int | None:
     """The longest prompt + generation a target decodes (``Target.max_positions``), read from its config alone
     before any weights load: a cached or local config, or a GGUF's header; None where that would need a download or
@@ -361,6 +383,8 @@ def load_target(name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "
         local = Path(name_or_path).expanduser()
         if (name_or_path.startswith((".", "/", "~")) or local.exists()) and not (local / "config.json").is_file():
             raise FileNotFoundError(f"{local} is not a model directory (no config.json)")
+        if not local.exists():
+            check_hub_model(name_or_path)
         model = _from_pretrained_complete(name_or_path, dtype=torch_dtype, attn_implementation=attn_implementation,
                                           trust_remote_code=trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
