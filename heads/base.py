@@ -68,6 +68,16 @@ class DraftHead(nn.Module):
         where it can. Needs only the config, so a command line can refuse before loading anything."""
         return None
 
+    @classmethod
+    def gguf_refusal(cls) -> str | None:
+        """Why llama.cpp cannot draft with a head of this type (None where ``gguf_layout`` writes one)."""
+        return (f"llama.cpp drafts with EAGLE-3 heads (and DFlash), not {cls.head_type} heads; export this head for "
+                f"vLLM or SGLang instead")
+
+    def gguf_layout(self):
+        """This head as a llama.cpp draft (``heads.gguf.GGUFLayout``), for a head type that ``gguf_refusal`` allows."""
+        raise NotImplementedError(self.gguf_refusal())
+
     def export_files(self, fmt: str, base_model: str | None = None) -> dict:
         """{file name: config dict (``.json``) or tensors (``.safetensors``, ``.bin``, ``.pt``)} of this head in the
         layout reader ``fmt`` loads (``export_refusal`` has passed); ``base_model`` names the target where a layout

@@ -19,6 +19,7 @@ from torch import nn
 
 from heads.common import cache_argument, output_vocab_size
 from heads.eagle import FeatureHead
+from heads.gguf import GGUFLayout, llama_layer_tensors, llama_values
 from heads.layouts import (PICKLE, SAFETENSORS, Layout, check_layer_settings, draft_layer_json, drop_embedding,
                            first_file, load_into, load_weights, mismatches, refuse_target_style, state_of)
 
@@ -71,6 +72,30 @@ class Eagle3Head(FeatureHead):
                     f"{default_feature_layers(target_layers)} (2, N//2, N-3) and reads no layer ids; this head fuses "
                     f"{layers}. Export it for SGLang or vLLM (--format sglang / vllm), which read the ids")
         return None
+
+    @classmethod
+    def gguf_refusal(cls) -> str | None:
+        return None
+
+    def gguf_layout(self) -> GGUFLayout:
+        """llama.cpp's ``eagle3`` draft: ``fc``, one block whose attention reads [norm(embed), norm(hidden)] (the
+        hidden norm as ``attn_norm_2``), ``output_norm``, ``output`` over the draft vocabulary and ``d2t`` as absolute
+        target ids. Its ``target_layers`` are our feature layers as they are: llama.cpp taps each layer's input, as we
+        do (hidden_states[i])."""
+        target = self.target_config
+        values = llama_values("eagle3", self.layer_config, 1, self.hidden_size,
+                              int(getattr(target, "max_position_embeddings", 2048)))
+        values.update({"eagle3.target_layers": (self.feature_layers, "i32s"),
+                       "eagle3.target_hidden_size": (self.hidden_size, "u32"),
+                       "eagle3.norm_before_residual": (False, "bool"), "eagle3.norm_before_fc": (False, "bool"),
+                       "eagle3.vocab_size": (self.target_vocab_size, "u32")})
+        state = state_of(self)
+        tensors = {"fc.weight": state["fc.weight"]}
+        tensors.update(llama_layer_tensors("midlayer.", state, self.layer_config, 0))
+        tensors.update({"blk.0.attn_norm_2.weight": state["midlayer.hidden_norm.weight"],
+                        "output_norm.weight": state["norm.weight"], "output.weight": state["lm_head.weight"],
+                        "d2t": self.draft_to_target.cpu()})
+        return GGUFLayout("eagle3", values, tensors)
 
     def export_files(self, fmt: str, base_model: str | None = None) -> dict:
         """``LlamaForCausalLMEagle3`` (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``) with the layer

@@ -25,8 +25,8 @@ from torch import nn
 
 from heads.base import DraftHead
 from heads.common import frozen_target_weights
-from heads.io import FORMAT, load_head, read_head_config, save_tensors
-from heads.layouts import read_json
+from heads.io import FORMAT, load_head, read_head_config
+from heads.layouts import read_json, save_tensors
 from heads.registry import LAYOUTS, head_class
 
 EXPORT_FORMATS = ("sglang", "vllm", "reference")

@@ -21,12 +21,12 @@ from collections.abc import Callable
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from heads.base import DraftHead
 from heads.common import frozen_target_weights, target_signature
-from heads.layouts import load_into
+from heads.layouts import load_into, new_mode, save_tensors
 from heads.registry import HEAD_TYPES, build_head, head_class
 
 FORMAT = "headstart-head"
@@ -53,45 +53,6 @@ def checked_head(head: nn.Module) -> DraftHead:
 
 def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-
-
-def new_mode(directory: bool = False) -> int:
-    """The permissions a new file (or directory) gets from this process's umask, as ``open`` (``mkdir``) gives them:
-    0o644 (0o755) under the usual 022."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return (0o777 if directory else 0o666) & ~umask
-
-
-def save_tensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict | None = None) -> None:
-    """``safetensors.torch.save_file``, with the file's permissions following the umask as any other written file's:
-    safetensors creates its files readable by their owner alone, so a server running as another user could not read
-    an exported head."""
-    save_file(tensors, str(path), metadata=metadata)
-    os.chmod(path, new_mode())
-
-
-def safetensors_damage(path: str | os.PathLike) -> str | None:
-    """Why ``path`` is not a whole safetensors file (cut short by a kill or a copy, not safetensors at all), or
-    None. Reads only its header."""
-    path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as handle:
-        start = handle.read(8)
-        if len(start) < 8:
-            return f"{path} is cut short ({size} bytes: not even a safetensors header)"
-        length = int.from_bytes(start, "little")
-        if 8 + length > size:
-            return f"{path} is cut short ({size} bytes; its header alone takes {8 + length})"
-        try:
-            header = json.loads(handle.read(length))
-            end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"),
-                      default=0)
-        except (ValueError, KeyError, TypeError, IndexError):
-            return f"{path} is not a safetensors file (its header does not read)"
-    if 8 + length + end > size:
-        return f"{path} is cut short ({size} bytes of the {8 + length + end} its tensors take)"
-    return None
 
 
 def atomic_directory(directory: str | os.PathLike, fill: Callable[[Path], None]) -> Path:

@@ -112,7 +112,7 @@ def test_written_weights_follow_the_umask(tmp_path):
     import os
     import stat
 
-    from heads.io import save_tensors
+    from heads.layouts import save_tensors
 
     target = tiny_target()
     old = os.umask(0o022)

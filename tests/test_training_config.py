@@ -276,7 +276,7 @@ def test_a_cut_short_feature_shard_names_its_store_before_training(tmp_path):
     import pytest
     import torch
 
-    from heads.io import safetensors_damage, save_tensors
+    from heads.layouts import safetensors_damage, save_tensors
     from training.features import MANIFEST, OfflineFeatures, write_manifest
     from training.recorded import RECORDING, RecordedStore
 

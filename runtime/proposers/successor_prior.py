@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from heads.io import save_tensors
+from heads.layouts import save_tensors
 from runtime.target.assets import cache_dir, write_json_atomically
 from runtime.engine.prompts import encode_prompt
 from runtime.target.model import Target
