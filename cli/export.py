@@ -13,6 +13,10 @@ merged.
   reference  the EAGLE authors' code (config.json + pytorch_model.bin; EAGLE-3 with the default layers only) and
              FasterDecoding's Medusa (medusa_lm_head.pt); economize reads these too.
   all        one directory per format that can carry the head: OUT/sglang, OUT/vllm, OUT/reference.
+  gguf       llama.cpp: OUT/draft.gguf (EAGLE-3 as arch eagle3), with the target's tokenizer; --with-target also
+             writes the target itself (OUT/target.gguf, llama family) in --dtype (default bfloat16), the very
+             weights the runtime decodes with. Serve both:
+               llama-server -m OUT/target.gguf -md OUT/draft.gguf --spec-type draft-eagle3 --spec-draft-n-max 3
 EAGLE configs carry rope_theta beside rope_parameters (legacy readers default to 10000 without it). What each layout
 holds and why: heads/formats.py.
 
@@ -31,9 +35,12 @@ import sys
 from pathlib import Path
 
 from heads.formats import EXPORT_FORMATS, export_refusal
-from heads.export import default_export_format, export_all, export_destination_problem, export_head, write_export
+from heads.export import (DRAFT_GGUF, TARGET_GGUF, default_export_format, export_all, export_destination_problem,
+                          export_gguf, export_head, write_export)
+from heads.gguf import GGUF_DTYPES, tokenizer_fields, tokenizer_fields_from_gguf
+from heads.registry import head_class
 from heads.io import MERGED_ADAPTERS_KEY, adapter_fingerprint, load_head, read_head_config, target_adapters
-from runtime.target.model import parse_dtype
+from runtime.target.model import parse_dtype, resolve_target
 
 from cli.args import load_target_or_exit, usage_error
 
@@ -43,9 +50,14 @@ def parse_args(argv=None):
     parser.add_argument("head", type=Path, help="head directory written by training (OUTPUT_DIR/head)")
     parser.add_argument("out", type=Path, help="output directory (missing, empty or an earlier export)")
     parser.add_argument("--target", default=None, help="target name (default: the one the head was trained for)")
-    parser.add_argument("--format", default=None, choices=(*EXPORT_FORMATS, "all"),
+    parser.add_argument("--format", default=None, choices=(*EXPORT_FORMATS, "all", "gguf"),
                         help="the reader to write for (default: sglang for EAGLE heads, vllm for Medusa)")
     parser.add_argument("--dtype", default=None, help="cast weights (bfloat16, float16, float32)")
+    parser.add_argument("--with-target", action="store_true",
+                        help="--format gguf: also write the target as OUT/target.gguf (llama family)")
+    parser.add_argument("--tokenizer-gguf", type=Path, default=None,
+                        help="--format gguf: copy the tokenizer from this GGUF (default: the target's own GGUF, or "
+                             "its HF tokenizer)")
     parser.add_argument("--merged-target", type=Path, default=None,
                         help="Medusa-2: also write the target with the head's LoRA adapters merged into this dir")
     parser.add_argument("--force", action="store_true",
@@ -84,7 +96,17 @@ def check_head(args) -> tuple[dict, Path | None]:
     if args.merged_target is not None and adapters is None:
         raise usage_error("--merged-target", f"{args.head} has no target LoRA adapters (training.target_lora); "
                                              "--merged-target is for Medusa-2 heads: drop it")
-    if args.format not in (None, "all"):
+    if args.format == "gguf":
+        problem = head_class(saved["head_type"]).gguf_refusal()
+        if problem:
+            raise usage_error("--format", problem)
+        if args.dtype is not None and args.dtype not in GGUF_DTYPES:
+            raise usage_error("--dtype", f"{args.dtype}: a GGUF holds {', '.join(GGUF_DTYPES)}")
+        if args.tokenizer_gguf is not None and not args.tokenizer_gguf.is_file():
+            raise usage_error("--tokenizer-gguf", f"{args.tokenizer_gguf}: no such file")
+    elif args.with_target or args.tokenizer_gguf:
+        raise usage_error("--with-target" if args.with_target else "--tokenizer-gguf", "is for --format gguf")
+    if args.format not in (None, "all", "gguf"):
         layers = saved["target"].get("num_hidden_layers")
         problem = export_refusal(saved["head_type"], saved["head_config"], layers, args.format)
         if problem:
@@ -113,6 +135,21 @@ def write_merged_target(target, adapters: Path, out: Path, dtype, force: bool) -
     write_export(out, fill, "merged-target", force=force)
 
 
+def write_gguf_export(args, head, target, name: str) -> int:
+    """--format gguf: the draft (and with --with-target the target) for llama.cpp, and the command that serves them."""
+    source = args.tokenizer_gguf or resolve_target(name)[1]
+    try:
+        tokenizer = tokenizer_fields_from_gguf(source) if source else tokenizer_fields(target.tokenizer)
+        out = export_gguf(head, args.out, tokenizer, args.dtype or "bfloat16", force=args.force,
+                          target_model=target.model if args.with_target else None)
+    except ValueError as error:
+        raise usage_error("--format", str(error)) from None
+    served = out / TARGET_GGUF if args.with_target else "TARGET.gguf"
+    print(f"exported the {head.head_type} head for llama.cpp to {out / DRAFT_GGUF}; serve it with:\n  llama-server "
+          f"-m {served} -md {out / DRAFT_GGUF} --spec-type draft-{head.head_type} --spec-draft-n-max 3")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     saved, adapters = check_head(args)
@@ -127,6 +164,8 @@ def main(argv=None) -> int:
                          config=saved)
     except ValueError as error:  # trained for another target, or weights that do not match the config
         raise usage_error("--target" if args.target else "HEAD", str(error)) from None
+    if args.format == "gguf":
+        return write_gguf_export(args, head, target, name)
     dtype = parse_dtype(args.dtype) if args.dtype else None
     if args.format == "all":
         for fmt, where in export_all(head, args.out, dtype, force=args.force, base_model=name).items():

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from heads.formats import EXPORT_FORMATS, export_files, export_refusal, write_files
+from heads.gguf import target_layout, write_gguf
 from heads.io import atomic_directory, checked_head
 from heads.registry import head_class
 
@@ -133,3 +134,27 @@ def export_all(head: nn.Module, out_dir: str | os.PathLike, dtype: torch.dtype |
 
     write_export(out_dir, fill, "head-formats", force=force)
     return done
+
+
+DRAFT_GGUF, TARGET_GGUF = "draft.gguf", "target.gguf"
+
+
+def export_gguf(head: nn.Module, out_dir: str | os.PathLike, tokenizer: dict, dtype: str = "bfloat16", *,
+                force: bool = False, target_model=None) -> Path:
+    """``head`` as a llama.cpp draft (``OUT/draft.gguf``, loaded with ``-md``) with the target's ``tokenizer`` fields
+    (``heads.gguf.tokenizer_fields_from_gguf`` / ``tokenizer_fields``), matrices in ``dtype``; with
+    ``target_model`` (a llama-family transformers model) also the target itself (``OUT/target.gguf``), so that
+    llama.cpp serves the very weights the head was trained on. Refused for a head type llama.cpp does not draft
+    with, before anything is written."""
+    problem = checked_head(head).gguf_refusal()
+    if problem:
+        raise ValueError(problem)
+    layouts = {DRAFT_GGUF: head.gguf_layout()}
+    if target_model is not None:
+        layouts[TARGET_GGUF] = target_layout(target_model)
+
+    def fill(tmp: Path) -> None:
+        for name, layout in layouts.items():
+            write_gguf(layout, tokenizer, tmp / name, dtype)
+
+    return write_export(out_dir, fill, "head", force=force, layout="gguf")

@@ -24,9 +24,11 @@ from heads.common import draft_rope_parameters
 from heads.layouts import new_mode
 
 GGUF_DTYPES = ("float32", "float16", "bfloat16")
-# The pre-tokenizer names llama.cpp knows for byte-level BPE tokenizers of these model types (its converter detects
-# them by hashing the tokenizer's output; a tokenizer family not listed here: convert it with llama.cpp's converter).
-BPE_PRE_TOKENIZERS = {"llama": "llama-bpe", "qwen2": "qwen2", "qwen3": "qwen2", "smollm": "smollm"}
+# llama.cpp's name of the pre-tokenizer (how text is split before BPE) of the tokenizer families recognised here, by
+# a token only that family's vocabulary has (llama.cpp's converter tells them apart by hashing the tokenizer's output;
+# another family: convert with it).
+BPE_PRE_TOKENIZERS = {"<|begin_of_text|>": "llama-bpe", "<|endoftext|><|im_start|>": "smollm",
+                      "<|im_start|><|vision_start|>": "qwen2"}
 
 
 @dataclass
@@ -55,7 +57,16 @@ def tokenizer_fields_from_gguf(path: str | os.PathLike) -> dict[str, tuple[objec
     return {key: (item.contents(), item.types) for key, item in reader.fields.items() if key.startswith("tokenizer.")}
 
 
-def tokenizer_fields(tokenizer, model_type: str) -> dict[str, tuple[object, object]]:
+def bpe_pre_tokenizer(vocab: dict[str, int]) -> str | None:
+    """llama.cpp's pre-tokenizer name for a vocabulary of a family ``BPE_PRE_TOKENIZERS`` recognises, else None."""
+    for marks, name in BPE_PRE_TOKENIZERS.items():
+        tokens = ["<|" + mark for mark in marks.split("<|") if mark]
+        if all(token in vocab for token in tokens) and not (name == "smollm" and "<|vision_start|>" in vocab):
+            return name
+    return None
+
+
+def tokenizer_fields(tokenizer) -> dict[str, tuple[object, object]]:
     """The ``tokenizer.*`` fields of an HF byte-level BPE tokenizer (what llama.cpp's converter writes for it): the
     tokens in id order, their types (special tokens as control), the merges, the special ids and the chat template.
     Other tokenizers are refused, naming llama.cpp's converter."""
@@ -63,15 +74,15 @@ def tokenizer_fields(tokenizer, model_type: str) -> dict[str, tuple[object, obje
 
     import gguf
 
-    pre = BPE_PRE_TOKENIZERS.get(model_type)
+    vocab = tokenizer.get_vocab()
+    pre = bpe_pre_tokenizer(vocab)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     model = json.loads(backend.to_str())["model"] if backend is not None else {}
     if pre is None or model.get("type") != "BPE":
-        raise ValueError(f"writing the tokenizer of a {model_type} target ({type(tokenizer).__name__}) into a GGUF "
-                         f"is done here for byte-level BPE tokenizers of {', '.join(sorted(BPE_PRE_TOKENIZERS))} "
-                         f"models only; convert the target with llama.cpp's convert_hf_to_gguf.py and export the head "
-                         f"with --target-gguf pointing at that file")
-    vocab = tokenizer.get_vocab()
+        raise ValueError(f"writing this target's tokenizer ({type(tokenizer).__name__}) into a GGUF is done here for "
+                         f"the byte-level BPE tokenizers of Llama 3, Qwen 2/3 and SmolLM only; convert the target with "
+                         f"llama.cpp's convert_hf_to_gguf.py and pass that file as the tokenizer's source "
+                         f"(--tokenizer-gguf)")
     size = max(vocab.values()) + 1
     tokens = [f"[PAD{i}]" for i in range(size)]
     for token, index in vocab.items():
