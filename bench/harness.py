@@ -24,6 +24,7 @@ from bench.divergence import score_divergences
 from bench.hf import HFModels, run_hf, run_hf_batches
 from bench.methods import (BASELINE, DecoderMethod, HFBaseline, Method, check_batch_methods, check_batch_sizes,
                            check_greedy_peers, check_methods, dtype_name, method_to_json, with_baseline)
+from bench.llamacpp import LlamaCppDecoder, LlamaCppMethod
 from bench.peers import PeerDecoder, PeerMethod
 from bench.prompts import MTBENCH
 from bench.report import MethodStats, output_summary, plot_histograms, summarize, summarize_batch
@@ -95,6 +96,8 @@ class MethodRunner:
                          for name, proposer in proposers.items()}
         self.peers = {name: PeerDecoder(method, target, target_name) for name, method in methods.items()
                       if isinstance(method, PeerMethod)}
+        self.peers.update({name: LlamaCppDecoder(method, target) for name, method in methods.items()
+                           if isinstance(method, LlamaCppMethod)})
 
     def run(self, name: str, ids: torch.Tensor, new_tokens: int):
         method = self.methods[name]
@@ -107,8 +110,11 @@ class MethodRunner:
         return run_ours(self.decoders[name], ids, new_tokens, self.temperature, self.seed)
 
     def close(self) -> None:
-        """Leaves the target's model as it was (its forward counter removed)."""
+        """Leaves the target's model as it was (its forward counter removed) and stops llama.cpp's servers."""
         self.models.close()
+        for peer in self.peers.values():
+            if isinstance(peer, LlamaCppDecoder):
+                peer.close()
 
 
 def run_config(target, target_name: str, methods: dict[str, Method], prompts: list[dict], *,
@@ -203,6 +209,9 @@ class BatchRunner:
         self.pad = batch_pad_token_id(tokenizer) if tokenizer is not None else self.single.eos[0]
         self.batched = {size: {name: BatchedDecoder(target, proposer, tree_size=self.single.tree_sizes[name])
                                for name, proposer in proposers.items()} for size in sizes[1:]}
+        # llama.cpp's server with as many slots as rows, each row a request of its own
+        self.servers = {size: {name: LlamaCppDecoder(method, target, slots=size) for name, method in methods.items()
+                               if isinstance(method, LlamaCppMethod)} for size in sizes[1:]}
 
     @property
     def decoders(self) -> dict[int, dict]:
@@ -210,6 +219,8 @@ class BatchRunner:
         return {1: self.single.decoders, **self.batched}
 
     def run(self, name: str, rows: list[torch.Tensor], new_tokens: int, batch_size: int):
+        if name in self.servers[batch_size]:
+            return self.servers[batch_size][name].generate_rows(rows, new_tokens, self.single.eos)
         if name in self.batched[batch_size]:
             results, seconds = run_ours_batch(self.batched[batch_size][name], rows, new_tokens, batch_size)
             return [(result.tokens, result) for result in results], seconds
@@ -219,6 +230,9 @@ class BatchRunner:
 
     def close(self) -> None:
         self.single.close()
+        for servers in self.servers.values():
+            for server in servers.values():
+                server.close()
 
 
 def round_size(chunk_size: int | None, largest: int) -> int:

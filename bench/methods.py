@@ -1,7 +1,8 @@
 """What a benchmark compares, as typed values keyed by the name each is reported under.
 
 ``HFBaseline``: a transformers ``generate`` baseline on the target; ``DecoderMethod``: our ``SpeculativeDecoder``
-with a ``ProposerSpec``; ``PeerMethod`` (bench/peers.py): another project's decoder. Each checks what it can on its
+with a ``ProposerSpec``; ``PeerMethod`` (bench/peers.py): another project's decoder; ``LlamaCppMethod``
+(bench/llamacpp.py): llama.cpp's server on the same weights. Each checks what it can on its
 own; ``check_methods`` and ``check_batch_methods`` check what needs the target or the kind of run. A results file
 records every method (``method_to_json``) so that a later rescoring knows what ran (``method_from_json``).
 """
@@ -12,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from bench.llamacpp import LlamaCppMethod
 from bench.peers import PeerMethod
 from heads.shipped import find_shipped
 from runtime.proposers.spec import ProposerSpec
@@ -74,7 +76,7 @@ class DecoderMethod:
             raise ValueError(f"DecoderMethod.tree_size must be >= 1, got {self.tree_size}")
 
 
-Method = HFBaseline | DecoderMethod | PeerMethod  # PeerMethod: another decoder (bench/peers.py)
+Method = HFBaseline | DecoderMethod | PeerMethod | LlamaCppMethod
 
 
 def method_to_json(method: Method) -> dict:
@@ -82,6 +84,8 @@ def method_to_json(method: Method) -> dict:
         return {"hf": asdict(method)}
     if isinstance(method, PeerMethod):
         return {"peer": asdict(method)}
+    if isinstance(method, LlamaCppMethod):
+        return {"llamacpp": asdict(method)}
     return {"proposer": asdict(method.proposer), "tree_size": method.tree_size}
 
 
@@ -90,6 +94,8 @@ def method_from_json(data: dict) -> Method:
         return HFBaseline(**data["hf"])
     if "peer" in data:
         return PeerMethod(**data["peer"])
+    if "llamacpp" in data:
+        return LlamaCppMethod(**data["llamacpp"])
     return DecoderMethod(ProposerSpec(**data["proposer"]), data.get("tree_size"))
 
 
@@ -121,8 +127,9 @@ def check_methods(methods: dict[str, Method], num_layers: int) -> None:
 
 def check_greedy_peers(methods: dict[str, Method], temperature: float) -> None:
     """The peer decoders decode greedily: a sampling run with one of them is refused before any work."""
-    if temperature > 0 and any(isinstance(method, PeerMethod) for method in methods.values()):
-        raise ValueError("the peer decoders (economize-*, flashspec-ngram) run greedy only: use temperature 0")
+    if temperature > 0 and any(isinstance(method, (PeerMethod, LlamaCppMethod)) for method in methods.values()):
+        raise ValueError("the peer decoders (economize-*, flashspec-ngram, llamacpp*) run greedy here: use "
+                         "temperature 0")
 
 
 def default_methods(target_name: str, draft_model: str | None = None) -> dict[str, Method]:
@@ -145,7 +152,8 @@ def default_methods(target_name: str, draft_model: str | None = None) -> dict[st
 
 
 def check_batch_methods(methods: dict[str, Method]) -> None:
-    """What ``run_batch_benchmark`` can run: HF greedy (in any dtype) and our decoders."""
+    """What ``run_batch_benchmark`` can run: HF greedy (in any dtype), our decoders and llama.cpp's (its server with
+    as many slots as rows)."""
     for name, method in methods.items():
         if isinstance(method, PeerMethod):
             raise ValueError(f"{name}: the peer decoders run one prompt at a time; benchmark them without a batch size")

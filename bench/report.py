@@ -74,9 +74,10 @@ def summarize(stats: dict[str, MethodStats], methods: dict[str, Method], decoder
         summary[name] = {
             "tokens_per_s": tps,
             # tokens per pass after the prefill, as the decoders count it: the prefill pass and its token are left
-            # out of HF's counts too (in HF's assisted modes that pass also verifies drafts)
-            "tau": (s.tokens - s.prompts) / max(s.forwards - s.prompts, 1) if name in hf else
-            (statistics.mean(s.accept_lengths) if s.accept_lengths else 1.0),
+            # out of HF's counts too (in HF's assisted modes that pass also verifies drafts); llama.cpp gives its
+            # counts, not each pass's tokens
+            "tau": (s.tokens - s.prompts) / max(s.forwards - s.prompts, 1) if name in hf or not s.accept_lengths else
+            statistics.mean(s.accept_lengths),
             "speedup": tps / base,
             **({"speedup_vs_fastest_hf_greedy": tps / fastest} if len(greedy) > 1 else {}),
             "identical": s.identical / s.prompts if temperature == 0 else None,

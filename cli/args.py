@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from bench.llamacpp import LLAMACPP_METHODS, NGRAM_TYPES, LlamaCppMethod, missing_llamacpp
 from bench.methods import DecoderMethod, HFBaseline, Method
 from bench.peers import PEER_METHODS, PeerMethod, missing_package
 from bench.prompts import PROMPT_LINE_EXAMPLE, read_prompts
@@ -261,7 +262,7 @@ def parse_method(text: str, *, draft_model: str | None = None, flag: str = "--me
         return HFBaseline("hf-assisted", draft_model=draft_model)
     if text in HF_NAMES:
         return HFBaseline(text)
-    peer = parse_peer(text, flag)
+    peer = parse_peer(text, flag) or parse_llamacpp(text, flag)
     if peer is not None:
         return peer
     if text.startswith("hf-"):
@@ -293,6 +294,30 @@ def parse_peer(text: str, flag: str = "--methods") -> PeerMethod | None:
     if problem:
         raise usage_error(flag, problem)
     return PeerMethod(name, head=directory or None, tokens_per_cycle=int(size) if at else None)
+
+
+def parse_llamacpp(text: str, flag: str = "--methods") -> LlamaCppMethod | None:
+    """``llamacpp``, ``llamacpp-ngram[:TYPE]`` (an n-gram type of llama.cpp's), ``llamacpp-eagle3[:DIR][@N]`` (a
+    head directory, a chain of N drafts) as a LlamaCppMethod; None for any other method name. Where llama.cpp is not
+    built, an error saying how to build it."""
+    spec, at, size = text.rpartition("@") if "@" in text else (text, "", "")
+    name, colon, given = spec.partition(":")
+    if name not in LLAMACPP_METHODS:
+        return None
+    if at and not (name == "llamacpp-eagle3" and size.isdigit() and int(size) >= 1):
+        raise usage_error(flag, f"{text}: '@N' (a chain of N drafts, N >= 1) is for llamacpp-eagle3")
+    if colon and (not given or name == "llamacpp"):
+        raise usage_error(flag, f"{text!r} names nothing after ':'" if not given else f"{text}: llamacpp takes no ':'")
+    if name == "llamacpp-ngram" and colon and given not in NGRAM_TYPES:
+        raise usage_error(flag, f"{text}: choose one of llama.cpp's n-gram types {', '.join(NGRAM_TYPES)}")
+    problem = missing_llamacpp()
+    if problem:
+        raise usage_error(flag, problem)
+    if name == "llamacpp-ngram":
+        return LlamaCppMethod(name, spec_type=given or None)
+    if name == "llamacpp-eagle3":
+        return LlamaCppMethod(name, head=given or None, draft_max=int(size) if at else None)
+    return LlamaCppMethod(name)
 
 
 def parse_methods(text: str, *, draft_model: str | None = None, flag: str = "--methods") -> dict[str, Method]:

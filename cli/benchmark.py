@@ -28,6 +28,7 @@ import torch
 from bench.divergence import describe_divergences, rescore
 from bench.harness import encoded_prompts, run_batch_benchmark, run_benchmark
 from bench.methods import batch_methods, check_batch_methods, default_methods, method_from_json
+from bench.llamacpp import LlamaCppMethod
 from bench.peers import PeerMethod
 from bench.report import batch_markdown_table, markdown_table
 from runtime.proposers import NoShippedHead
@@ -158,9 +159,9 @@ def main(argv=None) -> int:
         methods = batch_methods(methods)  # the HF baselines that batch
     check_batch_arguments(args, methods)
     check_head_directories(methods.values())
-    if args.temperature > 0 and any(isinstance(method, PeerMethod) for method in methods.values()):
-        raise usage_error("--methods", "the peer decoders (economize-*, flashspec-ngram) run greedy only: use "
-                                       "--temperature 0 with them")
+    if args.temperature > 0 and any(isinstance(method, (PeerMethod, LlamaCppMethod)) for method in methods.values()):
+        raise usage_error("--methods", "the peer decoders (economize-*, flashspec-ngram, llamacpp*) run greedy only "
+                                       "here: use --temperature 0 with them")
     prompts = read_prompts_or_exit(args.prompts)[:: args.stride][: args.limit]
     check_output_path(args.output)
     check_output_path(args.plot, "--plot")
