@@ -85,6 +85,17 @@ class KVCache:
             layer[1].view(-1, dim).index_copy_(0, index, value_states.reshape(-1, dim))
         return layer[0, :, :, :end], layer[1, :, :, :end]
 
+    def pass_views(self, new: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a pass of ``new`` entries per row when every row has the same length and nothing is packed: (where the
+        pass writes, [L, 2, B, Hkv, new, D]; what it reads, [L, 2, B, Hkv, max_len + new, D]), views shared by every
+        layer of the pass, as ``update`` would write and return them layer by layer; else None (``update``)."""
+        end = self._max_len + new
+        if self._ragged is not None or self._write_index(new) is not None:
+            return None
+        if end > self.max_length:
+            raise ValueError(f"KV cache overflow: {end} positions needed, {self.max_length} allocated")
+        return self.kv[:, :, :, :, self._max_len:end], self.kv[:, :, :, :, :end]
+
     def _write_index(self, new: int) -> torch.Tensor | None:
         """Where a pass of ``new`` entries per row writes: None when every row has the same length (one slice);
         for ragged rows [B * Hkv * new] long, each (row, head, entry) in key_states' order as an index into a

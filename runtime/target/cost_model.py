@@ -27,7 +27,7 @@ BATCH_SIZES = (1, 2, 4, 6, 8, 12, 16)  # tree sizes measured for several rows: l
 
 # Part of the cache key: raised whenever the runtime's own pass changes what its sizes cost (a kernel choice, the
 # cache's bookkeeping), so that curves measured with the old pass are measured again rather than trusted.
-CURVE_VERSION = 9
+CURVE_VERSION = 10
 
 
 def _curve_path(target: Target, batch_size: int = 1):

@@ -21,6 +21,7 @@ from heads.common import cache_argument, softcap_logits
 from runtime.target import attention
 from runtime.target.assets import SMOLLM2_GGUF, cache_dir, packaged_file
 from runtime.target.decode_layers import DecodeLayers
+from runtime.target.lean import LeanLlama
 from runtime.engine.kv_cache import KVCache
 from runtime.engine.ragged import RaggedRows
 
@@ -114,6 +115,8 @@ class Target:
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self._tree_attention = attention.register_with_transformers()
         self._decode_layers = DecodeLayers(model) if decode_kernels else None
+        packed = self._decode_layers.packed if self._decode_layers is not None else None
+        self._lean = LeanLlama(model, packed) if LeanLlama.supports(model, packed) else None
 
     @contextmanager
     def _runtime_layers(self):
@@ -205,6 +208,12 @@ class Target:
         ``ragged``: the rows' tokens come packed, input_ids and position_ids [1, T'] (``runtime.engine.ragged``), while
         the mask is the padded [B, 1, N, S]; outputs are then packed too ([1, T', ...]).
         """
+        # key_positions place sliding windows, which a target the lean pass takes has none of
+        if self._lean is not None and self._lean.applies(input_ids, attention_mask, backend, ragged, key_positions):
+            with nullcontext() if ragged is None else cache.packed(ragged):
+                hidden, layer_hidden = self._lean.forward(input_ids, position_ids, cache, attention_mask, ragged,
+                                                          hidden_layers)
+            return TargetOutput(self._lean.logits(hidden[:, logits_from:]), hidden, layer_hidden)
         if prefix_len is None and backend == "cascade":  # the committed cache, which every new row sees whole
             prefix_len = int(cache.lengths.min())
         extra = {} if key_positions is None else {"key_positions": key_positions}

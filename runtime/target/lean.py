@@ -1,0 +1,151 @@
+"""A lean decode pass for Llama-family targets: the same computation as the stock layers with the decode kernels, over
+the model's own weights, without transformers' module calls around it.
+
+A decode-sized pass multiplies a few rows by every weight once; on a CPU with the packed bf16 kernels those products
+cost little more than reading the weights, and the rest of a stock pass (hundreds of module calls, thousands of small
+tensor ops: rotary's halves, cache views, the Python of each layer) costs as much again
+(``scripts/bench_verify_pass.py`` measures both). Here each layer is a few calls: the RMSNorm kernel, one packed
+product for q, k and v together (their weights packed side by side once), rotary on q and k at once (rotate_half as a
+roll of the halves with its sign folded into sin: the same values), the cache write (views shared by every layer of
+the pass), the decode attention kernel, the output product, the RMSNorm kernel, one packed product for the gate and
+up projections, SiLU and the down product.
+
+Every product is the packed kernel's, which computes each output from its weight row alone, so packing q, k and v (or
+gate and up) side by side gives the same values as separate products; the rest follows the stock bf16 expressions.
+The lean pass applies where ``LeanLlama.applies`` says so: bf16 weights on CPU with the block-packed kernels (AMX tiles
+or AVX512-BF16), a plain Llama layer (no biases, Llama-formula norms, default rotary, no sliding window or
+soft-capping), the ``sdpa`` backend, at most ``DECODE_KERNEL_MAX_ROWS`` rows per sequence (a verification pass, not a
+prefill). Everything else takes the stock layers, which are what this pass is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.engine.kv_cache import KVCache
+from runtime.engine.ragged import RaggedRows
+from runtime.target.attention import DECODE_KERNEL_HEAD_SIZES, DECODE_KERNEL_MAX_ROWS
+from runtime.target.decode_layers import LLAMA_FORMULA_NORMS, PackedWeights
+from runtime.target.kernels import bf16_amx_linear, bf16_packed_linear, decode_attention, rms_norm_rows
+
+LEAN_FAMILIES = ("llama",)
+
+
+class LeanLlama:
+    """The lean pass over ``model``'s weights (a Llama-family transformers causal LM; never changed), with the packed
+    products of ``packed`` (its plan's form must be one the block kernels read)."""
+
+    def __init__(self, model, packed: PackedWeights):
+        self.model, self.config = model, model.config
+        config = self.config
+        self.heads, self.kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.scale = self.head_dim ** -0.5
+        self.intermediate = int(config.intermediate_size)
+        self.linear = bf16_amx_linear() if packed.plan.form == "amx" else bf16_packed_linear()
+        self.norm, self.attention = rms_norm_rows(), decode_attention()
+        self.pack = packed._pack
+        self.layers = None  # packed on the first pass it takes: a target that never takes one pays nothing
+        decoder = model.get_decoder()
+        self.embed, self.rotary, self.final_norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
+        self.lm_head = model.get_output_embeddings().weight
+        self.lm_head_packed = None
+
+    @staticmethod
+    def supports(model, packed: PackedWeights | None) -> bool:
+        """Whether ``model`` is one the lean pass computes exactly as its stock layers: a plain Llama layer stack in
+        bf16 on CPU, with the block-packed kernels and the decode attention kernel built here."""
+        config = model.config
+        if (packed is None or packed.plan.form not in ("amx", "blocks") or config.model_type not in LEAN_FAMILIES
+                or getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)
+                or getattr(config, "sliding_window", None) or getattr(config, "final_logit_softcapping", None)
+                or getattr(config, "hidden_act", "silu") != "silu"):
+            return False
+        weight = model.get_output_embeddings().weight
+        if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+            return False
+        rope = getattr(config, "rope_parameters", None) or {}
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        norms = {type(layer.input_layernorm).__name__ for layer in model.get_decoder().layers}
+        kernels = (bf16_amx_linear() if packed.plan.form == "amx" else bf16_packed_linear(), rms_norm_rows(),
+                   decode_attention())
+        return (rope.get("rope_type", "default") == "default" and head_dim in DECODE_KERNEL_HEAD_SIZES
+                and norms <= set(LLAMA_FORMULA_NORMS) and all(kernel is not None for kernel in kernels))
+
+    def applies(self, input_ids: torch.Tensor, attention_mask, backend: str, ragged: RaggedRows | None,
+                key_positions) -> bool:
+        """Whether this pass is one the lean pass takes: a verification pass (a mask, a few rows per sequence) on the
+        ``sdpa`` backend, without gradients."""
+        rows = ragged.width if ragged is not None else input_ids.shape[1]
+        return (attention_mask is not None and backend == "sdpa" and rows <= DECODE_KERNEL_MAX_ROWS
+                and not torch.is_grad_enabled())
+
+    def _packed_layers(self) -> list[dict]:
+        """Each layer's weights: q, k, v packed side by side, gate and up side by side, o and down, the norms."""
+        layers = []
+        for layer in self.model.get_decoder().layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            qkv = torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight])
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            layers.append({"qkv": (self.pack(qkv), qkv.shape[0]), "gate_up": (self.pack(gate_up), gate_up.shape[0]),
+                           "o": (self.pack(attention.o_proj.weight), attention.o_proj.weight.shape[0]),
+                           "down": (self.pack(mlp.down_proj.weight), mlp.down_proj.weight.shape[0]),
+                           "input_norm": layer.input_layernorm.weight,
+                           "post_norm": layer.post_attention_layernorm.weight,
+                           "eps": float(layer.input_layernorm.variance_epsilon)})
+        return layers
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., V] through the packed LM head."""
+        if self.lm_head_packed is None:
+            self.lm_head_packed = (self.pack(self.lm_head), self.lm_head.shape[0])
+        rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        if rows.shape[0] == 0:  # a prefill that wants no logits here
+            return hidden.new_zeros(*hidden.shape[:-1], self.lm_head.shape[0])
+        return self.linear(rows, *self.lm_head_packed, None).reshape(*hidden.shape[:-1], -1)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache, attention_mask,
+                ragged: RaggedRows | None = None, hidden_layers: tuple[int, ...] = ()):
+        """(final hidden [B, T, H] (packed: [1, T', H]), the inputs of ``hidden_layers``) of one pass, writing the
+        pass's K/V into ``cache`` (uncommitted) as the stock pass does."""
+        if self.layers is None:
+            self.layers = self._packed_layers()
+        batch, rows = input_ids.shape
+        x = self.embed(input_ids).reshape(batch * rows, -1)
+        cos, sin = self.rotary(x, position_ids)  # [B, T, D]
+        half = self.head_dim // 2
+        # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated): exact, one op instead of four
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        cos, sin = cos.reshape(batch, rows, 1, self.head_dim), sin.reshape(batch, rows, 1, self.head_dim)
+        views = cache.pass_views(rows) if ragged is None else None
+        wanted, kept = set(hidden_layers), {}
+        for index, layer in enumerate(self.layers):
+            if index in wanted:
+                kept[index] = x.reshape(batch, rows, -1)
+            x = self._layer(x, layer, index, batch, rows, cos, sin, cache, views, attention_mask, ragged)
+        hidden = self.norm(x, self.final_norm.weight, float(self.final_norm.variance_epsilon))
+        return hidden.reshape(batch, rows, -1), tuple(kept[i] for i in hidden_layers)
+
+    def _layer(self, x, layer, index, batch, rows, cos, sin, cache, views, mask, ragged):
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        h = self.norm(x, layer["input_norm"], layer["eps"])
+        qkv = self.linear(h, *layer["qkv"], None).view(batch, rows, heads + 2 * kv_heads, dim)
+        qk = qkv[:, :, : heads + kv_heads]
+        qk = qk * cos + qk.roll(dim // 2, -1) * sin  # the stock rotary: x cos + rotate_half(x) sin, same dtype
+        query = qk[:, :, :heads].transpose(1, 2)
+        key, value = qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads:].transpose(1, 2)
+        if views is None:
+            keys, values = cache.update(key, value, index)
+        else:
+            written, read = views[0][index], views[1][index]
+            written[0].copy_(key)
+            written[1].copy_(value)
+            keys, values = read[0], read[1]
+        # [B, T, H, D] ([1, T', H, D] packed): the layout the output product reads
+        attended = self.attention(query, keys, values, mask, self.scale, None if ragged is None else ragged.counts)
+        x = x + self.linear(attended.reshape(batch * rows, heads * dim), *layer["o"], None)
+        h = self.norm(x, layer["post_norm"], layer["eps"])
+        gate_up = self.linear(h, *layer["gate_up"], None)
+        act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate:]
+        return x + self.linear(act, *layer["down"], None)
