@@ -75,10 +75,10 @@ class LeanLlama:
 
     def applies(self, input_ids: torch.Tensor, attention_mask, backend: str, ragged: RaggedRows | None,
                 key_positions) -> bool:
-        """Whether this pass is one the lean pass takes: a verification pass (a mask, a few rows per sequence) on the
-        ``sdpa`` backend, without gradients."""
+        """Whether this pass is one the lean pass takes: a verification pass (a mask, a few rows per sequence; one
+        row without a mask sees every key) on the ``sdpa`` backend, without gradients."""
         rows = ragged.width if ragged is not None else input_ids.shape[1]
-        return (attention_mask is not None and backend == "sdpa" and rows <= DECODE_KERNEL_MAX_ROWS
+        return ((attention_mask is not None or rows == 1) and backend == "sdpa" and rows <= DECODE_KERNEL_MAX_ROWS
                 and not torch.is_grad_enabled())
 
     def _packed_layers(self) -> list[dict]:
