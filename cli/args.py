@@ -308,6 +308,8 @@ def parse_llamacpp(text: str, flag: str = "--methods") -> LlamaCppMethod | None:
         raise usage_error(flag, f"{text}: '@N' (a chain of N drafts, N >= 1) is for llamacpp-eagle3")
     if colon and (not given or name == "llamacpp"):
         raise usage_error(flag, f"{text!r} names nothing after ':'" if not given else f"{text}: llamacpp takes no ':'")
+    if name == "llamacpp-gguf" and not (given and Path(given).expanduser().is_file()):
+        raise usage_error(flag, f"{text}: give the GGUF file llama.cpp should serve, llamacpp-gguf:FILE.gguf")
     if name == "llamacpp-ngram" and colon and given not in NGRAM_TYPES:
         raise usage_error(flag, f"{text}: choose one of llama.cpp's n-gram types {', '.join(NGRAM_TYPES)}")
     problem = missing_llamacpp()
@@ -317,6 +319,8 @@ def parse_llamacpp(text: str, flag: str = "--methods") -> LlamaCppMethod | None:
         return LlamaCppMethod(name, spec_type=given or None)
     if name == "llamacpp-eagle3":
         return LlamaCppMethod(name, head=given or None, draft_max=int(size) if at else None)
+    if name == "llamacpp-gguf":
+        return LlamaCppMethod(name, model=str(Path(given).expanduser()))
     return LlamaCppMethod(name)
 
 
