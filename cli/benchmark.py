@@ -46,8 +46,9 @@ def parse_args(argv=None):
     parser.add_argument("--target", default=DEFAULT_TARGET)
     parser.add_argument("--methods", help=f"comma-separated (default: {DEFAULT_METHODS}, the heads "
                                           "shipped for the target, and draft,hf-assisted when --draft-model is "
-                                          "given); heads as medusa:DIR, eagle:DIR, eagle3:DIR (medusa alone: the "
-                                          "shipped head); HEAD+ngram: prompt lookup where it finds a match, "
+                                          "given); heads as medusa:DIR, eagle:DIR, eagle3:DIR, dflash:DIR "
+                                          "(alone: the shipped head); HEAD+ngram: prompt lookup where it finds a "
+                                          "match, "
                                           "the head elsewhere; lookahead, lookahead+ngram (lookahead decoding, "
                                           "prompt lookup first, lookahead where it finds nothing), either as "
                                           "lookahead:W,N,G[,R[,C[,P]]] for its window, n-gram size, candidates, "
@@ -56,7 +57,9 @@ def parse_args(argv=None):
                                           "METHOD@N fixes that method's tree size to N nodes; "
                                           "hf-greedy-bf16 and hf-pld-bf16 run HF on a bfloat16 copy of the target; "
                                           "hf-early-exit[:N]: HF assisted generation drafting with the target's first "
-                                          "N layers (default: a quarter of them)")
+                                          "N layers (default: a quarter of them); llama.cpp: llamacpp, "
+                                          "llamacpp-ngram[:TYPE], llamacpp-eagle3[:DIR][@N], "
+                                          "llamacpp-dflash[:DIR][@N], llamacpp-gguf[:FILE]")
     parser.add_argument("--draft-model")
     parser.add_argument("--prompts", help="JSONL prompts (default: MT-bench first turns)")
     parser.add_argument("--limit", type=positive_int, help="use only the first N prompts (after --stride)")
