@@ -137,7 +137,7 @@ def default_methods(target_name: str, draft_model: str | None = None) -> dict[st
     and with prompt lookup first), and our draft-model decoding and HF assisted generation when a draft model is
     given."""
     identities = same_model_identities(target_name)
-    shipped = [kind for kind in ("eagle3", "eagle", "medusa") if find_shipped(kind, identities) is not None]
+    shipped = [kind for kind in ("eagle3", "dflash", "eagle", "medusa") if find_shipped(kind, identities) is not None]
     specs = [ProposerSpec("none"), ProposerSpec("ngram")] + [ProposerSpec(kind) for kind in shipped] + [
         ProposerSpec(kind, lookup_first=True) for kind in shipped]
     methods: dict[str, Method] = {"hf-greedy": HFBaseline("hf-greedy"), "hf-pld": HFBaseline("hf-pld")}

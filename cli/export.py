@@ -4,19 +4,23 @@ merged.
   python scripts/export.py runs/eagle3/head exported/eagle3 [--format sglang|vllm|reference|all] [--dtype bfloat16]
   python scripts/export.py runs/medusa/head exported/medusa --merged-target exported/target   # Medusa-2
 
---format (default: sglang for EAGLE heads, vllm for Medusa) writes exactly what that reader loads:
+--format (default: sglang for EAGLE and DFlash heads, vllm for Medusa) writes exactly what that reader loads:
   sglang     EAGLE-3 -> LlamaForCausalLMEagle3 (fc, midlayer.*, norm, lm_head, d2t, t2d); EAGLE-1 ->
-             LlamaForCausalLMEagle (fc with bias, layers.{i}.*). SGLang has no Medusa: refused.
+             LlamaForCausalLMEagle (fc with bias, layers.{i}.*); DFlash -> DFlashDraftModel (fc, hidden_norm,
+             layers.{i}.*, norm; dflash_config with mask_token_id and target_layer_ids; mask_embedding.pt, the
+             head's mask embedding, which llama.cpp's converter reads), for a head over the whole vocabulary.
+             SGLang has no Medusa: refused.
   vllm       EAGLE-3 as for SGLang, layer ids at the top level where vLLM reads them; EAGLE-1 -> LlamaForCausalLM
              (vLLM's EagleLlamaForCausalLM, whose fc has no bias: a head trained with one is refused); Medusa ->
              blocks.{h}.layers.{l}, lm_heads.{h} with medusa_fc_bias.
   reference  the EAGLE authors' code (config.json + pytorch_model.bin; EAGLE-3 with the default layers only) and
              FasterDecoding's Medusa (medusa_lm_head.pt); economize reads these too.
   all        one directory per format that can carry the head: OUT/sglang, OUT/vllm, OUT/reference.
-  gguf       llama.cpp: OUT/draft.gguf (EAGLE-3 as arch eagle3), with the target's tokenizer; --with-target also
-             writes the target itself (OUT/target.gguf, llama family) in --dtype (default bfloat16), the very
-             weights the runtime decodes with. Serve both:
+  gguf       llama.cpp: OUT/draft.gguf (EAGLE-3 as arch eagle3, DFlash as dflash), with the target's tokenizer;
+             --with-target also writes the target itself (OUT/target.gguf, llama family) in --dtype (default
+             bfloat16), the very weights the runtime decodes with. Serve both:
                llama-server -m OUT/target.gguf -md OUT/draft.gguf --spec-type draft-eagle3 --spec-draft-n-max 3
+             (DFlash: --spec-type draft-dflash --spec-draft-n-max BLOCK-1)
 EAGLE configs carry rope_theta beside rope_parameters (legacy readers default to 10000 without it). What each layout
 holds and why: heads/formats.py.
 
@@ -145,8 +149,9 @@ def write_gguf_export(args, head, target, name: str) -> int:
     except ValueError as error:
         raise usage_error("--format", str(error)) from None
     served = out / TARGET_GGUF if args.with_target else "TARGET.gguf"
+    drafts = head.block_size - 1 if head.head_type == "dflash" else 3  # a DFlash block's drafts; llama.cpp's default
     print(f"exported the {head.head_type} head for llama.cpp to {out / DRAFT_GGUF}; serve it with:\n  llama-server "
-          f"-m {served} -md {out / DRAFT_GGUF} --spec-type draft-{head.head_type} --spec-draft-n-max 3")
+          f"-m {served} -md {out / DRAFT_GGUF} --spec-type draft-{head.head_type} --spec-draft-n-max {drafts}")
     return 0
 
 

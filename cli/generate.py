@@ -55,7 +55,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=DEFAULT_TARGET, help="HF id, local dir, .gguf file or alias")
     parser.add_argument("--proposer", default="ngram", metavar="{" + ",".join(PROPOSER_CHOICES) + "}",
-                        help="none, ngram, draft (--draft-model), or a head: medusa, eagle, eagle3 (--head, or "
+                        help="none, ngram, draft (--draft-model), or a head: medusa, eagle, eagle3, dflash (--head, or "
                              "HEAD:DIR); HEAD+ngram drafts by prompt lookup where it finds a match, by the head "
                              "elsewhere; lookahead (lookahead decoding: n-grams from the target's own Jacobi "
                              "guesses), lookahead+ngram (prompt lookup first, lookahead elsewhere), either as "
@@ -64,7 +64,7 @@ def parse_args(argv=None):
                              "greedy generations, and P=0 to draft without the target's successor prior "
                              "(default: sizes chosen from this machine's cost curve, C=1, P=1)")
     parser.add_argument("--draft-model", help="draft model for --proposer draft")
-    parser.add_argument("--head", help="trained head directory for --proposer medusa/eagle/eagle3")
+    parser.add_argument("--head", help="trained head directory for --proposer medusa/eagle/eagle3/dflash")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="one prompt (a user turn)")
     source.add_argument("--prompts", help="JSONL with a 'prompt' field or MT-bench 'turns'")

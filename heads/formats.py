@@ -46,7 +46,8 @@ def export_refusal(head_type: str, head_config: dict, target_layers: int | None,
 
 
 def export_files(head: DraftHead, fmt: str = "sglang", *, base_model: str | None = None) -> dict:
-    """{file name: config dict (``.json``) or tensors (``.safetensors``, ``.bin``, ``.pt``)} of ``head`` in ``fmt``.
+    """{file name: config dict (``.json``) or tensors (``.safetensors``, ``.bin``, ``.pt``; a ``.pt`` may hold other
+    values beside them)} of ``head`` in ``fmt``.
     ``head`` needs its target weights attached; ``base_model`` names the target in the Medusa reference config."""
     problem = export_refusal(head.head_type, asdict(head.config), int(head.target_config.num_hidden_layers), fmt)
     if problem:
@@ -63,8 +64,8 @@ def write_files(directory: Path, files: dict, dtype: torch.dtype | None = None) 
                 content = {**content, "torch_dtype": str(dtype).removeprefix("torch.")}
             path.write_text(json.dumps(content, indent=2) + "\n")
             continue
-        tensors = {key: value.to(dtype) if dtype is not None and value.is_floating_point() else value
-                   for key, value in content.items()}
+        tensors = {key: value.to(dtype) if dtype is not None and isinstance(value, torch.Tensor) and
+                   value.is_floating_point() else value for key, value in content.items()}
         if name.endswith(".safetensors"):
             # shared storage (a shared LM head written once per Medusa head) must be separate tensors here
             save_tensors({key: value.contiguous().clone() for key, value in tensors.items()}, path,

@@ -8,14 +8,14 @@ proposer (runtime/proposers/) and its training config (conf/head/NAME.yaml).
 
 from __future__ import annotations
 
-from heads import eagle, eagle3, medusa
+from heads import dflash, eagle, eagle3, medusa
 from heads.base import DraftHead
 from heads.layouts import Layout
 
 HEAD_TYPES: dict[str, type[DraftHead]] = {cls.head_type: cls for cls in (eagle.EagleHead, eagle3.Eagle3Head,
-                                                                          medusa.MedusaHeads)}
+                                                                          medusa.MedusaHeads, dflash.DFlashHead)}
 # The published layouts import detects, in the order it tries them (heads/formats.py: detect_layout).
-LAYOUTS: tuple[Layout, ...] = tuple(sorted((*eagle.LAYOUTS, *eagle3.LAYOUTS, *medusa.LAYOUTS),
+LAYOUTS: tuple[Layout, ...] = tuple(sorted((*eagle.LAYOUTS, *eagle3.LAYOUTS, *medusa.LAYOUTS, *dflash.LAYOUTS),
                                            key=lambda layout: layout.order))
 
 

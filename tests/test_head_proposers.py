@@ -1,14 +1,16 @@
-"""EAGLE, EAGLE-3 and Medusa proposers: lossless at temperature 0 and when sampling, trained or not."""
+"""EAGLE, EAGLE-3, Medusa and DFlash proposers: lossless at temperature 0 and when sampling, trained or not."""
 
 import pytest
 import torch
 
 from heads.common import frozen_target_weights
+from heads.dflash import DFlashConfig, DFlashHead
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.medusa import MedusaConfig, MedusaHeads
 from runtime.target.attention import ATTN_IMPLEMENTATION
 from runtime.engine.decoder import SpeculativeDecoder
+from runtime.proposers.dflash import DFlashProposer
 from runtime.proposers.eagle import EagleProposer
 from runtime.proposers.lookup_first import LookupFirstProposer
 from runtime.proposers.medusa import MedusaProposer, calibrated_choices, measured_rank_paths, tree_accepted, tree_tau
@@ -37,6 +39,20 @@ def eagle_head(target, head_type, seed=0, draft_vocab=0, layers=1):
     return head.eval()
 
 
+def dflash_head(target, seed=0, draft_vocab=0, layers=1, block_size=5):
+    torch.manual_seed(seed)
+    head = DFlashHead(DFlashConfig(num_layers=layers, block_size=block_size, num_features=2,
+                                   draft_vocab_size=draft_vocab), target.config)
+    head.attach_target_weights(*frozen_target_weights(target.model))
+    if draft_vocab:
+        draft_ids = torch.arange(0, VOCAB, VOCAB // draft_vocab)[:draft_vocab]
+        t2d = torch.zeros(VOCAB, dtype=torch.bool)
+        t2d[draft_ids] = True
+        head.set_draft_vocab(draft_ids - torch.arange(draft_vocab), t2d)
+    head.init_mask_embedding()
+    return head.eval()
+
+
 def medusa_heads(target, seed=0, layers=1, trained=True, num_heads=3):
     torch.manual_seed(seed)
     _, lm_head = frozen_target_weights(target.model)
@@ -57,6 +73,9 @@ def head_proposers(target):
         "medusa-identity": MedusaProposer(medusa_heads(target, layers=1, trained=False, num_heads=2)),
         "eagle3+ngram": LookupFirstProposer(EagleProposer(eagle_head(target, "eagle3"), target, depth=4, top_k=3)),
         "medusa+ngram": LookupFirstProposer(MedusaProposer(medusa_heads(target))),
+        "dflash": DFlashProposer(dflash_head(target, layers=2), target, top_k=3),
+        "dflash-chain-draft-vocab": DFlashProposer(dflash_head(target, draft_vocab=32), target, top_k=1),
+        "dflash+ngram": LookupFirstProposer(DFlashProposer(dflash_head(target), target, top_k=2)),
     }
 
 
@@ -136,7 +155,8 @@ def test_medusa_drafts_the_measured_tree_and_refuses_paths_that_are_not_one():
             MedusaProposer(medusa_heads(target), rank_paths=bad)
 
 
-@pytest.mark.parametrize("name", ["eagle", "eagle3-draft-vocab", "medusa", "medusa-measured-tree", "eagle+ngram"])
+@pytest.mark.parametrize("name", ["eagle", "eagle3-draft-vocab", "medusa", "medusa-measured-tree", "eagle+ngram",
+                                  "dflash", "dflash-draft-vocab+ngram"])
 def test_head_proposers_preserve_the_sampling_distribution(name):
     from tests import test_sampling_distribution as sampling
 
@@ -158,6 +178,10 @@ def head_proposers_small(target):
     t2d = torch.zeros(5, dtype=torch.bool)
     t2d[[0, 2, 4]] = True
     eagle3.set_draft_vocab(torch.tensor([0, 1, 2]), t2d)
+    dflash = DFlashHead(DFlashConfig(block_size=3, feature_layers=[0, 0], draft_vocab_size=3), target.config)
+    dflash.attach_target_weights(embed, lm_head)
+    dflash.set_draft_vocab(torch.tensor([0, 1, 2]), t2d)
+    dflash.init_mask_embedding()
     medusa = MedusaHeads(MedusaConfig(num_heads=2, num_layers=1), target.config)
     medusa.attach_target_weights(embed, lm_head)
     medusa.eval()
@@ -166,7 +190,10 @@ def head_proposers_small(target):
             "medusa": MedusaProposer(medusa, top_k=3),
             "medusa-measured-tree": MedusaProposer(medusa, top_k=3, rank_paths=[(1,), (0,), (1, 2), (2,), (0, 0)]),
             "eagle+ngram": LookupFirstProposer(EagleProposer(eagle, target, depth=3, top_k=2),
-                                               NgramProposer(max_ngram=2, min_ngram=1))}
+                                               NgramProposer(max_ngram=2, min_ngram=1)),
+            "dflash": DFlashProposer(dflash.eval(), target, top_k=2),
+            "dflash-draft-vocab+ngram": LookupFirstProposer(DFlashProposer(dflash.eval(), target, top_k=2),
+                                                            NgramProposer(max_ngram=2, min_ngram=1))}
 
 
 def test_saved_heads_load_into_proposers_by_spec(tmp_path):
@@ -259,7 +286,7 @@ def test_lookup_first_drafts_by_lookup_where_the_text_repeats_and_by_the_head_el
 
 
 @pytest.mark.parametrize("name", ["eagle", "eagle-2-layers", "eagle3", "eagle3-draft-vocab", "eagle3+ngram", "medusa",
-                                  "medusa+ngram"])
+                                  "medusa+ngram", "dflash", "dflash-chain-draft-vocab", "dflash+ngram"])
 def test_heads_draft_for_several_rows_together_as_each_alone(name):
     """propose_rows reads every row's new verified rows in one head pass (ragged: different histories, different
     rows already in the head's cache, different counts of new rows) and drafts the trees and head caches each row

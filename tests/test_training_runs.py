@@ -58,9 +58,9 @@ def test_bf16_training_takes_an_fp32_targets_online_features(tiny, tmp_path, hea
     assert all(torch.isfinite(w.float()).all() for w in weights.values())
 
 
-@pytest.mark.parametrize("head", ["eagle", "eagle3", "medusa"])
+@pytest.mark.parametrize("head", ["eagle", "eagle3", "medusa", "dflash"])
 def test_short_run_lowers_loss_and_raises_acceptance(tiny, tmp_path, head):
-    lr = {"eagle": "3e-3", "eagle3": "3e-3", "medusa": "1e-2"}[head]
+    lr = {"eagle": "3e-3", "eagle3": "3e-3", "medusa": "1e-2", "dflash": "3e-3"}[head]
     summary = run_config(tiny, tmp_path / "run", head, 24, [f"trainer.lr={lr}", "eval.every=24"])
     history = json.loads((tmp_path / "run" / "summary.json").read_text())["final_eval"]
     assert history == summary["final_eval"]
@@ -499,20 +499,24 @@ def curves(run_dir: Path) -> list[list[float]]:
     return [[float(x) for x in line.split(",")] for line in (run_dir / "curves.csv").read_text().splitlines()[1:]]
 
 
-@pytest.mark.parametrize("head", ["eagle", "eagle3", "medusa"])
-def test_partitioned_zero3_trains_and_evaluates_every_head_like_zero2(tiny, tmp_path, head):
+@pytest.mark.parametrize("head", ["eagle", "eagle3", "medusa", "dflash"])
+def test_every_head_trains_and_evaluates_alike_under_zero1_zero2_and_partitioned_zero3(tiny, tmp_path, head):
     """Evaluation calls the head's modules outside the engine's forward (drafting chains, LM heads): under ZeRO-3
-    with every parameter partitioned it must see the whole weights, and evaluate and train exactly as ZeRO-2."""
+    with every parameter partitioned it must see the whole weights, and evaluate and train exactly as ZeRO-2, and
+    ZeRO-1 as well: every head type under every stage."""
     extra = ["eval.every=1", "trainer.lr=3e-3"]
     run_config(tiny, tmp_path / "zero2", head, 2, extra)
     run_config(tiny, tmp_path / "zero3", head, 2, extra + PARTITION_ALL)
-    expected, actual = curves(tmp_path / "zero2"), curves(tmp_path / "zero3")
-    assert [row[0] for row in actual] == [0, 1, 2]
-    for want, got in zip(expected, actual):
-        assert got == pytest.approx(want, abs=1e-4)
+    run_config(tiny, tmp_path / "zero1", head, 2, extra + ["deepspeed=zero1"])
+    expected = curves(tmp_path / "zero2")
     want_weights = head_weights(tmp_path / "zero2")
-    for name, tensor in head_weights(tmp_path / "zero3").items():
-        torch.testing.assert_close(tensor, want_weights[name], atol=1e-5, rtol=1e-4, msg=name)
+    for stage in ("zero3", "zero1"):
+        actual = curves(tmp_path / stage)
+        assert [row[0] for row in actual] == [0, 1, 2]
+        for want, got in zip(expected, actual):
+            assert got == pytest.approx(want, abs=1e-4), stage
+        for name, tensor in head_weights(tmp_path / stage).items():
+            torch.testing.assert_close(tensor, want_weights[name], atol=1e-5, rtol=1e-4, msg=f"{stage} {name}")
 
 
 @pytest.mark.parametrize("zero, head", [("zero1", "medusa"), ("zero2", "eagle"), ("zero3", "eagle3")])

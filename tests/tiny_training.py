@@ -93,4 +93,6 @@ def tiny_overrides(target_dir: Path, data_path: Path, output_dir: Path, head: st
         overrides += ["head.draft_vocab_size=32", "head.ttt_steps=3", "head.feature_layers=[0,1,1]"]
     if head == "medusa":
         overrides += ["head.num_heads=3"]
+    if head == "dflash":
+        overrides += ["head.draft_vocab_size=32", "head.block_size=4", "head.num_features=2", "head.num_anchors=8"]
     return overrides + list(extra)

@@ -1,7 +1,7 @@
 """The typed training configuration (Hydra structured configs), composed from conf/ in one place.
 
-Groups: head (eagle, eagle3, medusa), target, data, deepspeed, tracker. Every group file starts from a schema, so
-an unknown key or a wrong type fails at composition with Hydra's error naming the key: the schemas below, and each
+Groups: head (eagle, eagle3, medusa, dflash), target, data, deepspeed, tracker. Every group file starts from a schema,
+so an unknown key or a wrong type fails at composition with Hydra's error naming the key: the schemas below, and each
 head type's own (its objective's ``conf_class``: training/objectives/).
 """
 

@@ -10,6 +10,7 @@ from heads.formats import detect_layout, load_any_head
 from heads.io import MERGED_ADAPTERS_KEY, adapter_fingerprint, target_adapters
 from heads.shipped import find_shipped, shipped_heads
 from runtime.proposers.base import NoProposer, Proposer, ProposeInput
+from runtime.proposers.dflash import DFlashProposer
 from runtime.proposers.draft_model import DraftModelProposer
 from runtime.proposers.eagle import EagleProposer
 from runtime.proposers.lookahead import LookaheadProposer
@@ -23,7 +24,7 @@ from runtime.target.model import load_target, parse_dtype, same_model_identities
 
 # head type -> the proposer that drafts with such a head
 HEAD_PROPOSER_CLASSES: dict[str, type[Proposer]] = {"eagle": EagleProposer, "eagle3": EagleProposer,
-                                                    "medusa": MedusaProposer}
+                                                    "medusa": MedusaProposer, "dflash": DFlashProposer}
 
 
 class NoShippedHead(ValueError):

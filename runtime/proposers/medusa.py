@@ -14,6 +14,26 @@ from runtime.engine.tree import Tree, closed_choices
 TOP_K = 10
 
 
+def best_rank_paths(probability, depths: int, top_k: int, count: int) -> list[tuple[int, ...]]:
+    """The ``count`` rank paths (r_1, ..., r_d), d <= ``depths``, every r_i < ``top_k``, with the highest products
+    of ``probability(i, r_i)`` (depth i from 0, non-increasing in the rank), found best-first so that the set is
+    ancestor-closed: a tree of independently drafted positions (Medusa's heads, a DFlash block)."""
+    chosen: list[tuple[int, ...]] = []
+    frontier = [(-probability(0, 0), (0,))]
+    while frontier and len(chosen) < count:
+        negative, path = heapq.heappop(frontier)
+        chosen.append(path)
+        score = -negative
+        depth = len(path)
+        if path[-1] + 1 < top_k:  # next sibling
+            sibling = path[:-1] + (path[-1] + 1,)
+            parent_score = score / max(probability(depth - 1, path[-1]), 1e-30)
+            heapq.heappush(frontier, (-parent_score * probability(depth - 1, path[-1] + 1), sibling))
+        if depth < depths:  # first child
+            heapq.heappush(frontier, (-score * probability(depth, 0), path + (0,)))
+    return chosen
+
+
 def calibrated_choices(head_accuracy: list[float], tree_size: int, top_k: int = TOP_K,
                        rank_decay: float = 0.5) -> list[tuple[int, ...]]:
     """The ``tree_size - 1`` rank paths with the highest estimated acceptance probability.
@@ -21,23 +41,8 @@ def calibrated_choices(head_accuracy: list[float], tree_size: int, top_k: int = 
     A path (r_1, ..., r_d) is accepted with probability prod_i head_accuracy[i-1] * rank_decay ** r_i (top-1
     accuracy of head i, discounted for lower ranks); best-first search keeps the set ancestor-closed.
     """
-    def probability(depth: int, rank: int) -> float:
-        return head_accuracy[depth] * rank_decay ** rank
-
-    chosen: list[tuple[int, ...]] = []
-    frontier = [(-probability(0, 0), (0,))]
-    while frontier and len(chosen) < tree_size - 1:
-        negative, path = heapq.heappop(frontier)
-        chosen.append(path)
-        score = -negative
-        depth = len(path)
-        if path[-1] + 1 < top_k:  # next sibling
-            sibling = path[:-1] + (path[-1] + 1,)
-            parent_score = score / probability(depth - 1, path[-1])
-            heapq.heappush(frontier, (-parent_score * probability(depth - 1, path[-1] + 1), sibling))
-        if depth < len(head_accuracy):  # first child
-            heapq.heappush(frontier, (-score * probability(depth, 0), path + (0,)))
-    return chosen
+    return best_rank_paths(lambda depth, rank: head_accuracy[depth] * rank_decay ** rank, len(head_accuracy), top_k,
+                           tree_size - 1)
 
 
 def measured_rank_paths(ranks: torch.Tensor, top_k: int = TOP_K,

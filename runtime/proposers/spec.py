@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-HEAD_PROPOSERS = ("medusa", "eagle", "eagle3")  # proposers that draft with a trained head
+HEAD_PROPOSERS = ("medusa", "eagle", "eagle3", "dflash")  # proposers that draft with a trained head
 PROPOSER_NAMES = ("none", "ngram", "draft", "lookahead", *HEAD_PROPOSERS)
 LOOKUP_PROPOSERS = (*HEAD_PROPOSERS, "lookahead")  # proposers that take prompt lookup beside them (lookup_first)
 
@@ -68,10 +68,10 @@ class ProposerSpec:
 
     ``name``: ``none`` (plain decoding), ``ngram`` (prompt lookup), ``draft`` (a smaller model with the target's
     tokenizer, ``draft_model``: an HF id, directory, .gguf or alias), or a head proposer ``medusa`` / ``eagle`` /
-    ``eagle3``, or ``lookahead`` (lookahead decoding: the target's own Jacobi guesses, no draft model). ``head``: the
-    head directory (the OUTPUT_DIR/head of a training run) for a head proposer; None: the head shipped for the
-    target (heads/shipped). ``lookup_first``: a head proposer drafts by prompt lookup where lookup finds a match and
-    by the head (or lookahead's n-gram pool and window) elsewhere.
+    ``eagle3`` / ``dflash``, or ``lookahead`` (lookahead decoding: the target's own Jacobi guesses, no draft
+    model). ``head``: the head directory (the OUTPUT_DIR/head of a training run) for a head proposer; None: the head
+    shipped for the target (heads/shipped). ``lookup_first``: a head proposer drafts by prompt lookup where lookup
+    finds a match and by the head (or lookahead's n-gram pool and window) elsewhere.
     ``lookahead``: lookahead's sizes (``LookaheadSettings``, or (W, N, G)); None: chosen from the target's measured
     cost curve.
     """

@@ -15,17 +15,19 @@ import torch
 from torch import nn
 
 from training.objectives.base import HeadConf, HeadObjective, TargetDistribution, VocabScreen, safe_mean
+from training.objectives.dflash import DFlashHeadConf, DFlashObjective, dflash_matches
 from training.objectives.eagle import EagleHeadConf, EagleObjective, eagle_matches
 from training.objectives.eagle3 import Eagle3HeadConf, Eagle3Objective, norm_scale
 from training.objectives.medusa import LoraConf, MedusaHeadConf, MedusaObjective, medusa_matches, medusa_ranks
 
 OBJECTIVES: dict[str, type[HeadObjective]] = {cls.head_type: cls
-                                              for cls in (EagleObjective, Eagle3Objective, MedusaObjective)}
+                                              for cls in (EagleObjective, Eagle3Objective, MedusaObjective,
+                                                          DFlashObjective)}
 
-__all__ = ["OBJECTIVES", "Eagle3HeadConf", "Eagle3Objective", "EagleHeadConf", "EagleObjective", "HeadConf",
-           "HeadObjective", "LoraConf", "MedusaHeadConf", "MedusaObjective", "TargetDistribution", "VocabScreen",
-           "build_objective", "eagle_matches", "head_conf_for", "medusa_matches", "medusa_ranks", "norm_scale",
-           "objective_class", "safe_mean"]
+__all__ = ["OBJECTIVES", "DFlashHeadConf", "DFlashObjective", "Eagle3HeadConf", "Eagle3Objective", "EagleHeadConf",
+           "EagleObjective", "HeadConf", "HeadObjective", "LoraConf", "MedusaHeadConf", "MedusaObjective",
+           "TargetDistribution", "VocabScreen", "build_objective", "dflash_matches", "eagle_matches", "head_conf_for",
+           "medusa_matches", "medusa_ranks", "norm_scale", "objective_class", "safe_mean"]
 
 
 def objective_class(head_type: str) -> type[HeadObjective]:
