@@ -226,7 +226,8 @@ class LlamaCppDecoder:
             raise FileNotFoundError(problem)
         self.method, self.target, self.slots = method, target, slots
         self.directory = tempfile.TemporaryDirectory()
-        draft = draft_gguf(method, target, Path(self.directory.name)) if LLAMACPP_METHODS[method.name] else None
+        head = LLAMACPP_METHODS[method.name] in HEAD_METHODS
+        draft = draft_gguf(method, target, Path(self.directory.name)) if head else None
         model = target_gguf(target) if method.name != "llamacpp-gguf" else Path(method.model or own_gguf(target))
         self.server = LlamaCppServer(model, method.server_flags(draft), torch.get_num_threads(), context, slots)
 
