@@ -54,7 +54,7 @@ def test_script_mistakes_are_reported_before_anything_loads(prompt_files, tmp_pa
         ("generate", ["--prompts", p["empty"]], f"--prompts: {p['empty']} holds no prompt"),
         ("generate", ["--prompts", tmp_path / "nowhere.jsonl"], "--prompts: prompts file not found"),
         ("generate", ["--prompt", "hi", "--proposer", "ngram", "--head", "H"],
-         "--proposer: a head directory is for medusa, eagle, eagle3, not 'ngram'"),
+         "--proposer: a head directory is for medusa, eagle, eagle3, dflash, not 'ngram'"),
         ("generate", ["--prompt", "hi", "--proposer", "none", "--head", "H"], "a head directory is for medusa"),
         ("generate", ["--prompt", "hi", "--proposer", "ngram", "--draft-model", "d"],
          "--draft-model: is for --proposer draft, not 'ngram'"),

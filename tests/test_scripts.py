@@ -134,20 +134,20 @@ def test_prompt_seeds_differ_for_every_prompt_and_sample_and_repeat_for_the_same
 
 def test_generate_script_streams_the_text_and_stops_at_a_stop_string(tiny_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
-    out = tmp_path / "out.jsonl"
 
-    def generate(*extra):
+    def generate(name, *extra):
+        out = tmp_path / name
         printed = run_script("generate.py", "--target", tiny_dir, "--proposer", "ngram", "--prompt", "hello there",
                              "--max-new-tokens", "24", "--tree-size", "4", "--output", out, *extra).stdout
         return json.loads(out.read_text()), printed
 
-    full, printed = generate()
+    full, printed = generate("full.jsonl")
     assert printed == full["text"] + "\n"  # streamed as accepted: the same text as the record's
     tokens = full["output_ids"]
     word = next(i for i in range(3, len(tokens)) if tokenizer.decode([tokens[i]]).strip())
     stop = tokenizer.decode([tokens[word]]).strip()
     ends = next(n for n in range(1, len(tokens) + 1) if stop in tokenizer.decode(tokens[:n]))
-    stopped, _ = generate("--stop", "not in this output at all", "--stop", stop)
+    stopped, _ = generate("stopped.jsonl", "--stop", "not in this output at all", "--stop", stop)
     assert stopped["output_ids"] == tokens[:ends] and ends < len(tokens)
 
 
@@ -356,7 +356,7 @@ def test_command_line_spellings_parse_into_typed_values():
         ("proposer", "ngram", {"draft_model": "d"}, spec(ProposerSpec("ngram"))),  # --draft-model is draft's only
         ("proposer", "eagle3:DIR", {"head": "OTHER"}, "--proposer: 'eagle3:DIR' names a head directory, and --head"),
         ("proposer", "ngram+ngram", {}, "--proposer: unknown proposer 'ngram+ngram'"),
-        ("proposer", "ngram", {"head": "H"}, "--proposer: a head directory is for medusa, eagle, eagle3, not 'ngram'"),
+        ("proposer", "ngram", {"head": "H"}, "--proposer: a head directory is for medusa, eagle, eagle3, dflash, not 'ngram'"),
         ("proposer", "eagle3:", {}, "--proposer: 'eagle3:' names no head directory"),
         ("check", "hf-early-exit:3", {"n": 3, "layers": 4}, "ok"),
         ("check", "hf-early-exit:4", {"n": 4, "layers": 4}, "--methods: hf-early-exit:4: N must be a layer count "

@@ -25,9 +25,10 @@ import torch.nn.functional as F
 
 from runtime.engine.kv_cache import KVCache
 from runtime.engine.ragged import RaggedRows
+from runtime.target import attention
 from runtime.target.attention import DECODE_KERNEL_HEAD_SIZES, DECODE_KERNEL_MAX_ROWS
 from runtime.target.decode_layers import LLAMA_FORMULA_NORMS, PackedWeights
-from runtime.target.kernels import bf16_amx_linear, bf16_packed_linear, decode_attention, rms_norm_rows
+from runtime.target.kernels import bf16_amx_linear, bf16_packed_linear, rms_norm_rows
 
 LEAN_FAMILIES = ("llama",)
 
@@ -44,7 +45,7 @@ class LeanLlama:
         self.scale = self.head_dim ** -0.5
         self.intermediate = int(config.intermediate_size)
         self.linear = bf16_amx_linear() if packed.plan.form == "amx" else bf16_packed_linear()
-        self.norm, self.attention = rms_norm_rows(), decode_attention()
+        self.norm = rms_norm_rows()
         self.pack = packed._pack
         self.layers = None  # packed on the first pass it takes: a target that never takes one pays nothing
         decoder = model.get_decoder()
@@ -69,7 +70,7 @@ class LeanLlama:
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         norms = {type(layer.input_layernorm).__name__ for layer in model.get_decoder().layers}
         kernels = (bf16_amx_linear() if packed.plan.form == "amx" else bf16_packed_linear(), rms_norm_rows(),
-                   decode_attention())
+                   attention.decode_attention())
         return (rope.get("rope_type", "default") == "default" and head_dim in DECODE_KERNEL_HEAD_SIZES
                 and norms <= set(LLAMA_FORMULA_NORMS) and all(kernel is not None for kernel in kernels))
 
@@ -120,14 +121,16 @@ class LeanLlama:
         cos, sin = cos.reshape(batch, rows, 1, self.head_dim), sin.reshape(batch, rows, 1, self.head_dim)
         views = cache.pass_views(rows) if ragged is None else None
         wanted, kept = set(hidden_layers), {}
+        # the attention module's choice, looked up per pass: the same kernel the stock layers' tree attention takes
+        kernel = attention.decode_attention()
         for index, layer in enumerate(self.layers):
             if index in wanted:
                 kept[index] = x.reshape(batch, rows, -1)
-            x = self._layer(x, layer, index, batch, rows, cos, sin, cache, views, attention_mask, ragged)
+            x = self._layer(x, layer, index, batch, rows, cos, sin, cache, views, attention_mask, ragged, kernel)
         hidden = self.norm(x, self.final_norm.weight, float(self.final_norm.variance_epsilon))
         return hidden.reshape(batch, rows, -1), tuple(kept[i] for i in hidden_layers)
 
-    def _layer(self, x, layer, index, batch, rows, cos, sin, cache, views, mask, ragged):
+    def _layer(self, x, layer, index, batch, rows, cos, sin, cache, views, mask, ragged, kernel):
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         h = self.norm(x, layer["input_norm"], layer["eps"])
         qkv = self.linear(h, *layer["qkv"], None).view(batch, rows, heads + 2 * kv_heads, dim)
@@ -143,7 +146,7 @@ class LeanLlama:
             written[1].copy_(value)
             keys, values = read[0], read[1]
         # [B, T, H, D] ([1, T', H, D] packed): the layout the output product reads
-        attended = self.attention(query, keys, values, mask, self.scale, None if ragged is None else ragged.counts)
+        attended = kernel(query, keys, values, mask, self.scale, None if ragged is None else ragged.counts)
         x = x + self.linear(attended.reshape(batch * rows, heads * dim), *layer["o"], None)
         h = self.norm(x, layer["post_norm"], layer["eps"])
         gate_up = self.linear(h, *layer["gate_up"], None)
