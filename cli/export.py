@@ -149,9 +149,9 @@ def write_gguf_export(args, head, target, name: str) -> int:
     except ValueError as error:
         raise usage_error("--format", str(error)) from None
     served = out / TARGET_GGUF if args.with_target else "TARGET.gguf"
-    drafts = head.block_size - 1 if head.head_type == "dflash" else 3  # a DFlash block's drafts; llama.cpp's default
     print(f"exported the {head.head_type} head for llama.cpp to {out / DRAFT_GGUF}; serve it with:\n  llama-server "
-          f"-m {served} -md {out / DRAFT_GGUF} --spec-type draft-{head.head_type} --spec-draft-n-max {drafts}")
+          f"-m {served} -md {out / DRAFT_GGUF} --spec-type draft-{head.head_type} --spec-draft-n-max "
+          f"{head.gguf_draft_max()}")
     return 0
 
 

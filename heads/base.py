@@ -78,6 +78,10 @@ class DraftHead(nn.Module):
         """This head as a llama.cpp draft (``heads.gguf.GGUFLayout``), for a head type that ``gguf_refusal`` allows."""
         raise NotImplementedError(self.gguf_refusal())
 
+    def gguf_draft_max(self) -> int:
+        """The chain length llama.cpp drafts with this head (``--spec-draft-n-max``): llama.cpp's default."""
+        return 3
+
     def export_files(self, fmt: str, base_model: str | None = None) -> dict:
         """{file name: config dict (``.json``) or tensors (``.safetensors``, ``.bin``, ``.pt``)} of this head in the
         layout reader ``fmt`` loads (``export_refusal`` has passed); ``base_model`` names the target where a layout

@@ -292,6 +292,10 @@ class DFlashHead(DraftHead):
     def gguf_refusal(cls) -> str | None:
         return None
 
+    def gguf_draft_max(self) -> int:
+        """A block's drafts: llama.cpp caps ``--spec-draft-n-max`` there."""
+        return self.block_size - 1
+
     def export_files(self, fmt: str, base_model: str | None = None) -> dict:
         """The DFlash checkpoint layout (SGLang, vLLM, llama.cpp's converter): ``config.json`` (a Qwen3 config with
         ``architectures: [DFlashDraftModel]``, ``block_size``, ``num_target_layers`` and ``dflash_config``:

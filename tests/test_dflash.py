@@ -265,6 +265,7 @@ def test_dflash_gguf_is_llama_cpps_dflash_draft(tmp_path):
     assert reader.fields["dflash.target_layers"].contents() == head.feature_layers
     assert reader.fields["dflash.block_size"].contents() == BLOCK
     assert reader.fields["tokenizer.ggml.mask_token_id"].contents() == V - 1
+    assert head.gguf_draft_max() == BLOCK - 1  # the serve command's --spec-draft-n-max: the block's drafts
     tensors = {tensor.name: torch.from_numpy(tensor.data.copy()) for tensor in reader.tensors}
     assert {"fc.weight", "enc.output_norm.weight", "output_norm.weight", "output.weight", "token_embd.weight", "d2t",
             "blk.0.attn_q_norm.weight", "blk.0.attn_k.weight", "blk.0.ffn_down.weight"} <= set(tensors)
