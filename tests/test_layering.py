@@ -153,3 +153,27 @@ def test_pure_tensor_modules_import_only_torch():
         for node in ast.walk(ast.parse((ROOT / name).read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("runtime."):
                 assert node.module in pure, f"{name} imports {node.module}"
+
+
+def test_no_runtime_function_runs_over_80_lines():
+    """The runtime reads as named steps: a function that outgrows a screen is split, not scrolled."""
+    for path in python_files("runtime"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                assert length <= 80, f"{path.relative_to(ROOT)}:{node.lineno} {node.name} is {length} lines"
+
+
+def test_no_head_type_branch_outside_the_head_types_own_modules():
+    """A head type owns its parts through the registry: code asks the head, never compares its type with a name
+    (``head_type == "dflash"``); comparing two heads' types to refuse a mismatch is fine."""
+    for path in python_files("runtime", "training", "bench", "cli", "heads"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                     for op in node.ops):
+                sides = (node.left, *node.comparators)
+                names = [n.attr if isinstance(n, ast.Attribute) else getattr(n, "id", None) for n in sides]
+                literal = any(isinstance(n, ast.Constant) and isinstance(n.value, str)
+                              or isinstance(n, (ast.Tuple, ast.List, ast.Set)) for n in sides)
+                assert not ("head_type" in names and literal), \
+                    f"{path.relative_to(ROOT)}:{node.lineno} branches on head_type"
