@@ -405,6 +405,7 @@ def test_a_build_lock_left_by_a_killed_build_falls_back_instead_of_waiting(monke
     import runtime.target.kernels as kernels
 
     monkeypatch.setattr(torch.utils.cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(torch.utils.cpp_extension, "FileBaton", object, raising=False)  # a loader that waits on it
     lock = tmp_path / "lock"
     lock.write_text("")
     assert kernels._stale_build_lock("headstart_rms_norm") is None  # a build may be running
@@ -415,6 +416,25 @@ def test_a_build_lock_left_by_a_killed_build_falls_back_instead_of_waiting(monke
         with pytest.warns(UserWarning, match="left from a build that was killed"):
             assert kernels._compiled.__wrapped__("rms_norm.cpp", "PyTorch's ops run") is None
     assert lock.exists()  # not ours to delete
+
+
+def test_an_old_lock_file_of_a_loader_with_an_advisory_lock_is_no_reason_to_fall_back(monkeypatch, tmp_path):
+    """Loaders that hold an advisory lock (the OS drops it when a build is killed) leave the lock file after every
+    build: its age says nothing, and the kernels keep building and loading however old it is."""
+    import os
+    import time
+
+    import torch.utils.cpp_extension
+
+    import runtime.target.kernels as kernels
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.delattr(torch.utils.cpp_extension, "FileBaton", raising=False)
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    old = time.time() - kernels.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    assert kernels._stale_build_lock("headstart_rms_norm") is None
 
 
 def test_a_changed_header_names_another_build(monkeypatch, tmp_path):

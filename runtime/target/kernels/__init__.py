@@ -87,10 +87,17 @@ STALE_LOCK_SECONDS = 600  # a first build takes well under this; an older lock o
 
 
 def _stale_build_lock(name: str) -> Path | None:
-    """A build lock of extension ``name`` older than ``STALE_LOCK_SECONDS``, or None. torch's loader waits without a
-    timeout while the lock exists, and a build killed outright (not interrupted) leaves it behind."""
+    """A build lock of extension ``name`` older than ``STALE_LOCK_SECONDS``, or None. Loaders that lock with a file
+    whose existence blocks (torch's ``FileBaton``) wait without a timeout while it exists, and a build killed outright
+    leaves it behind. Newer loaders hold an advisory lock on a file that stays after every build and blocks nobody
+    once its holder is gone: there a lock file says nothing, and judging it by age would turn the kernels off for
+    good ten minutes after the first build."""
     try:
+        import torch.utils.cpp_extension as cpp_extension
         from torch.utils.cpp_extension import _get_build_directory
+
+        if not hasattr(cpp_extension, "FileBaton"):
+            return None
 
         lock = Path(_get_build_directory(name, verbose=False)) / "lock"
         return lock if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS else None
