@@ -143,8 +143,10 @@ def plot_learning_curves(curves: dict[str, tuple[list[dict], int]], path: Path, 
     figure, axes = plt.subplots(rows, columns, figsize=(10, 3.4 * rows), squeeze=False)
     panels = list(axes.flat)
     for index, (label, (history, offset)) in enumerate(curves.items()):
+        if offset == 0:  # a head trained from scratch: its untrained start has no place on a log axis
+            history = [entry for entry in history if entry["tokens"] > 0]
         tokens = [offset + entry["tokens"] for entry in history]
-        if min(tokens) <= 0:
+        if not tokens or min(tokens) <= 0:
             raise ValueError(f"{label}: a log axis needs positive token counts; give the head's earlier budget")
         color = plt.cm.tab10(index % 10)
         for k in range(depth):
