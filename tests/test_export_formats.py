@@ -211,7 +211,8 @@ def test_export_script_refuses_a_format_that_cannot_carry_the_head_before_loadin
     cases = [([medusa, tmp_path / "o", "--format", "sglang"], "--format: SGLang has no Medusa"),
              ([eagle, tmp_path / "o", "--format", "vllm"], "--format: vLLM's EAGLE-1 drafter has no bias on fc"),
              ([eagle3, tmp_path / "o", "--format", "reference"], "--format: the EAGLE authors' code always fuses"),
-             ([medusa, tmp_path / "o", "--format", "gguf"], "--format: llama.cpp drafts with EAGLE-3 heads (and DFlash), not medusa heads"),
+             ([medusa, tmp_path / "o", "--format", "gguf"],
+              "--format: llama.cpp drafts with EAGLE-3 heads (and DFlash), not medusa heads"),
              ([medusa, tmp_path / "o", "--format", "vllm"], None),
              ([eagle3, tmp_path / "o", "--format", "all"], None),
              ([medusa, tmp_path / "o"], None)]

@@ -356,7 +356,8 @@ def test_command_line_spellings_parse_into_typed_values():
         ("proposer", "ngram", {"draft_model": "d"}, spec(ProposerSpec("ngram"))),  # --draft-model is draft's only
         ("proposer", "eagle3:DIR", {"head": "OTHER"}, "--proposer: 'eagle3:DIR' names a head directory, and --head"),
         ("proposer", "ngram+ngram", {}, "--proposer: unknown proposer 'ngram+ngram'"),
-        ("proposer", "ngram", {"head": "H"}, "--proposer: a head directory is for medusa, eagle, eagle3, dflash, not 'ngram'"),
+        ("proposer", "ngram", {"head": "H"},
+         "--proposer: a head directory is for medusa, eagle, eagle3, dflash, not 'ngram'"),
         ("proposer", "eagle3:", {}, "--proposer: 'eagle3:' names no head directory"),
         ("check", "hf-early-exit:3", {"n": 3, "layers": 4}, "ok"),
         ("check", "hf-early-exit:4", {"n": 4, "layers": 4}, "--methods: hf-early-exit:4: N must be a layer count "
