@@ -126,3 +126,6 @@ timed "$RUNS/sdd2.seconds" $RECORD_DFLASH data.max_samples=1952
 timed "$RUNS/dflash-2.seconds" python training/train.py $DFLASH head.lr=3e-4 trainer.lr=3e-4 trainer.max_steps=1000 \
   trainer.warmup_steps=10 features.first_conversation=992 target.dtype=bfloat16 eval.at_start=false eval.every=500 \
   eval.max_samples=16 init_from="$RUNS/stages/smollm2-135m-dflash-stage1" output_dir="$RUNS/smollm2-dflash-2"
+python scripts/ship_head.py "$RUNS/smollm2-dflash-2" smollm2-135m-dflash --top-k 2 --tree-size bfloat16=4 \
+  --train-seconds "$(cat "$RUNS/dflash-2.seconds")" --data-command "$RECORD_DFLASH data.max_samples=1952" \
+  --data-seconds "$(cat "$RUNS/sdd2.seconds")"

@@ -94,12 +94,10 @@ def _stale_build_lock(name: str) -> Path | None:
     good ten minutes after the first build."""
     try:
         import torch.utils.cpp_extension as cpp_extension
-        from torch.utils.cpp_extension import _get_build_directory
 
         if not hasattr(cpp_extension, "FileBaton"):
             return None
-
-        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+        lock = Path(cpp_extension._get_build_directory(name, verbose=False)) / "lock"
         return lock if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS else None
     except Exception:  # a private helper of torch's: where it changed, the loader decides as before
         return None
