@@ -133,6 +133,15 @@ def device(text: str) -> str:
     return text
 
 
+def cuda_graphs(args) -> bool:
+    """--cuda-graphs, refused off a GPU: the fixed-shape passes it asks for are captured there only (on a CPU they
+    would run eagerly, slower than the ordinary passes)."""
+    if args.cuda_graphs and torch.device(args.device).type != "cuda":
+        raise usage_error("--cuda-graphs", f"CUDA graphs are captured on a GPU, and --device is {args.device}; give "
+                                           f"--device cuda, or leave --cuda-graphs out")
+    return args.cuda_graphs
+
+
 def check_new_output(path: str | None, force: bool, flag: str = "--output") -> None:
     """``check_output_path``, and an existing non-empty file is refused unless ``force``: a run replaces it only once
     it has succeeded, and without --force not at all."""

@@ -35,7 +35,7 @@ from runtime.proposers import NoShippedHead
 from runtime.target.model import DEFAULT_TARGET
 
 from cli.args import (load_target_or_exit, check_context, check_early_exit, check_head_directories, check_output_path,
-                      device, missing_head, non_negative_float, parse_method, parse_methods, positive_int,
+                      cuda_graphs, device, missing_head, non_negative_float, parse_method, parse_methods, positive_int,
                       positive_int_list, read_prompts_or_exit, usage_error)
 
 DEFAULT_METHODS = "hf-greedy,hf-pld,none,ngram"
@@ -70,6 +70,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--tree-size", type=positive_int, help="fix the tree size (default: from the cost curve)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", type=device)
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="verify at fixed shapes, each captured once as a CUDA graph and replayed (--device cuda)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="results.json")
     parser.add_argument("--rescore", metavar="RESULTS",
@@ -106,7 +108,8 @@ def check_batch_arguments(args, methods) -> None:
 
 
 def run_batch(args, methods, prompts) -> int:
-    target = load_target_or_exit(args.target, dtype=args.dtype, device=args.device)
+    target = load_target_or_exit(args.target, dtype=args.dtype, device=args.device,
+                                 fixed_shapes=cuda_graphs(args))
     check_early_exit(methods, target.num_layers)
     check_prompts_fit(target, prompts, args.max_new_tokens)
     output = Path(args.output)
@@ -171,7 +174,8 @@ def main(argv=None) -> int:
     check_context(args.target, args.max_new_tokens)
     if args.batch_size is not None:
         return run_batch(args, methods, prompts)
-    target = load_target_or_exit(args.target, dtype=args.dtype, device=args.device)
+    target = load_target_or_exit(args.target, dtype=args.dtype, device=args.device,
+                                 fixed_shapes=cuda_graphs(args))
     check_early_exit(methods, target.num_layers)
     check_prompts_fit(target, prompts, args.max_new_tokens)
     output = Path(args.output)

@@ -40,7 +40,7 @@ from runtime.engine.prompts import TextStream, encode_prompt, end_of_turn_token_
 from runtime.target.model import DEFAULT_TARGET
 
 from cli.args import (load_target_or_exit, PROPOSER_CHOICES, build_proposer_or_exit, check_context,
-                      check_head_directories, check_new_output, device, non_negative_float, parse_proposer,
+                      check_head_directories, check_new_output, cuda_graphs, device, non_negative_float, parse_proposer,
                       positive_int, probability, read_prompts_or_exit, usage_error)
 
 
@@ -90,6 +90,8 @@ def parse_args(argv=None):
                         help="generations decoded together (continuous batching; outputs as decoded one at a time)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--device", default="cpu", type=device)
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="verify at fixed shapes, each captured once as a CUDA graph and replayed (--device cuda)")
     parser.add_argument("--output", help="JSONL output file (written once every generation is done; as they finish "
                                          "to OUTPUT.partial)")
     parser.add_argument("--force", action="store_true", help="replace an existing --output once the run succeeds")
@@ -230,7 +232,8 @@ def main(argv=None) -> int:
     check_head_directories([spec], "--head" if args.head else "--proposer")
     check_args(args, spec)
     prompts = read_inputs(args)
-    target = load_target_or_exit(args.target, dtype=args.dtype, device=args.device)
+    target = load_target_or_exit(args.target, dtype=args.dtype, device=args.device,
+                                 fixed_shapes=cuda_graphs(args))
     tokenizer = target.tokenizer
     runs = encoded_runs(args, prompts, tokenizer, target)
     proposer = build_proposer_or_exit(spec, target)

@@ -8,10 +8,13 @@ The eager rows are the runtime's own pass (Target.forward with its KV cache), wi
 (runtime.target.decode_layers: decode_linear, the decode norms) and with the stock layers; both attend through the
 runtime's backend (in bf16 on CPU the decode attention kernel); ratios are to the runtime's T = 1. The compiled rows run
 the stock model (its own attention and layers, as outside the runtime's passes) through torch.compile with static
-shapes: a cache that writes into a fixed buffer with ``index_copy_`` and a mask over the whole buffer, so no Python
-int changes between steps (the runtime's cache keeps one, which makes dynamo recompile or fall back). The profile
-splits the T = 1 pass into matrix products and the rest and converts the matrix-product time into the bandwidth at
-which the weights were read. Run it with nothing else on the machine.
+shapes: a cache that writes into a fixed buffer with ``index_copy_`` and a mask over the whole buffer
+(``runtime.target.static_pass.SlotCache``), so no Python int changes between steps (the runtime's cache keeps one, which
+makes dynamo recompile or fall back). ``--fixed-shapes`` adds the runtime's fixed-shape passes (CUDA graphs with
+``--device cuda``; on a CPU their eager twin). The profile splits the T = 1 pass into matrix products and the rest and
+converts the matrix-product time into the bandwidth at which the weights were read; the roofline line sets the T = 1
+pass against the time this machine takes just to read the weights once (``runtime.target.machine.read_bandwidth``), the
+floor for any engine's plain decoding. Run it with nothing else on the machine.
 """
 
 from __future__ import annotations
@@ -25,44 +28,26 @@ import torch
 from bench.timing import median_of_ms
 from heads.common import cache_argument
 from runtime.engine.tree import Tree, verification_mask
+from runtime.target.machine import read_bandwidth, synchronized_seconds
 from runtime.target.model import DEFAULT_TARGET, load_target, target_from_model
-
-
-class StaticBufferCache:
-    """Writes new K/V at ``slots`` (LongTensor [T]) of a fixed buffer [L, 2, 1, Hkv, S, D]; returns the whole
-    buffer, so every shape is fixed for a given T."""
-
-    def __init__(self, kv: torch.Tensor, slots: torch.Tensor):
-        self.kv = kv
-        self.slots = slots
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        layer = self.kv[layer_idx]
-        layer[0].index_copy_(2, self.slots, key_states)
-        layer[1].index_copy_(2, self.slots, value_states)
-        return layer[0], layer[1]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def __len__(self) -> int:
-        return self.kv.shape[0]
+from runtime.target.static_pass import SlotCache, write_index
 
 
 @torch.inference_mode()
 def eager_times(target, context: int, size: int, repeats: int) -> list[float]:
-    cache = target.new_cache(1, context + size + 1)
-    prompt = torch.randint(0, target.vocab_size, (1, context))
-    target.forward(prompt, torch.arange(context)[None], cache, None, logits_from=context - 1)
+    device = target.device
+    cache = target.new_cache(1, context + max(size, 64) + 1)
+    prompt = torch.randint(0, target.vocab_size, (1, context), device=device)
+    target.forward(prompt, torch.arange(context, device=device)[None], cache, None, logits_from=context - 1)
     cache.commit(context)
-    tree = Tree.chain(0, [1] * (size - 1))
+    tree = Tree.chain(0, [1] * (size - 1), device=device)
     mask = verification_mask(tree.ancestor_mask(), context) if size > 1 else None
     times = []
-    for _ in range(repeats + 1):
+    for _ in range(repeats + 2):  # the first two: a fixed-shape target captures its pass there
         started = time.perf_counter()
         target.forward(tree.tokens[None], tree.position_ids(context)[None], cache, mask)
-        times.append(time.perf_counter() - started)
-    return times[1:]
+        times.append(synchronized_seconds(device, started))
+    return times[2:]
 
 
 @torch.inference_mode()
@@ -114,17 +99,27 @@ def main(argv=None) -> int:
     parser.add_argument("--compile", action="store_true", help="also time inductor-compiled passes")
     parser.add_argument("--freezing", action="store_true", help="compile with inductor freezing (weights as constants)")
     parser.add_argument("--buffer", type=int, default=512, help="static KV buffer length for the compiled passes")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--fixed-shapes", action="store_true",
+                        help="also time the fixed-shape passes (CUDA graphs on a GPU; on a CPU, their eager twin)")
     args = parser.parse_args(argv)
+    if args.compile and args.device != "cpu":
+        parser.error("--compile times CPU passes; leave it out with --device " + args.device)
 
-    target = load_target(args.target, dtype=args.dtype, quiet=True)
+    target = load_target(args.target, dtype=args.dtype, device=args.device, quiet=True)
     # the same weights, wrapped without the decode layers
     stock = target_from_model(target.model, target.tokenizer, target.identity, decode_kernels=False)
     print(f"threads {torch.get_num_threads()}, context {args.context}, {args.dtype}\n")
     print("| pass | T | median ms | min ms | vs eager T=1 | compile s |\n|---|---:|---:|---:|---:|---:|")
-    eager = {(label, size): [] for label in ("eager, stock layers", "eager") for size in args.sizes}
-    for _ in range(3):  # interleaved rounds, so that a slow spell of the machine hits both alike
+    passes = {"eager, stock layers": stock, "eager": target}
+    if args.fixed_shapes:
+        graphs = "CUDA graphs" if target.device.type == "cuda" else "eager twin"
+        passes[f"fixed shapes ({graphs})"] = target_from_model(target.model, target.tokenizer, target.identity,
+                                                               fixed_shapes=True)
+    eager = {(label, size): [] for label in passes for size in args.sizes}
+    for _ in range(3):  # interleaved rounds, so that a slow spell of the machine hits all alike
         for (label, size), times in eager.items():
-            times += eager_times(stock if "stock" in label else target, args.context, size, args.repeats)
+            times += eager_times(passes[label], args.context, size, args.repeats)
     base = median_of_ms(eager[("eager", args.sizes[0])])
     for (label, size), times in eager.items():
         print(f"| {label} | {size} | {median_of_ms(times):.1f} | {min(times) * 1000:.1f} | "
@@ -136,7 +131,8 @@ def main(argv=None) -> int:
 
         def step(input_ids, position_ids, kv, slots, mask):
             out = target.backbone(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=True,
-                                  **cache_argument(target.backbone, StaticBufferCache(kv, slots)))
+                                  **cache_argument(target.backbone, SlotCache(kv, write_index(slots[None], kv.shape[3],
+                                                                                     kv.shape[4]))))
             return target.logits(out.last_hidden_state)
 
         compiled = torch.compile(step, dynamic=False)
@@ -145,11 +141,21 @@ def main(argv=None) -> int:
             first, times = compiled_times(target, compiled, args.buffer, args.context, size, args.repeats)
             print(f"| {label} | {size} | {median_of_ms(times):.1f} | {min(times) * 1000:.1f} | "
                   f"{median_of_ms(times) / base:.2f} | {first:.0f} |")
-    matmul_ms, total_ms = profile_step(target, args.context)
     weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
     embedding = target.model.get_input_embeddings().weight
     if embedding.data_ptr() != target.lm_head.weight.data_ptr():
         weight_bytes -= embedding.numel() * embedding.element_size()  # a lookup reads rows, not the whole table
+    # the roofline: a one-row pass reads every weight once, so no engine's pass is faster than the weights' bytes
+    # at the bandwidth this machine reads memory with these threads (llama.cpp's plain decoding included)
+    bandwidth = read_bandwidth(target.device)
+    floor_ms = weight_bytes / bandwidth * 1000
+    print(f"\nroofline: {weight_bytes / 1e6:.0f} MB of weights per pass, memory read at {bandwidth / 1e9:.1f} GB/s "
+          f"({torch.get_num_threads()} threads) -> a T=1 pass takes at least {floor_ms:.1f} ms "
+          f"({1000 / floor_ms:.0f} tokens/s for plain decoding); the eager T=1 pass takes {base:.1f} ms, "
+          f"{floor_ms / base:.0%} of the roofline")
+    if target.device.type != "cpu":  # the operator profile below is the CPU's
+        return 0
+    matmul_ms, total_ms = profile_step(target, args.context)
     if matmul_ms == 0:  # the compiled bf16 kernels are not operators the profiler sees
         print(f"\nT=1 profile: the matrix products ran in the compiled kernels, which the profiler does not see "
               f"({total_ms:.1f} ms per pass in the operators it does)")

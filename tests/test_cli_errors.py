@@ -82,6 +82,9 @@ def test_script_mistakes_are_reported_before_anything_loads(prompt_files, tmp_pa
         ("benchmark", ["--methods", "hf-greedy,flashspec-ngram", "--temperature", "0.7"],
          "run greedy only" if importlib.util.find_spec("flashspec") else "install the peers extra"),
         ("benchmark", ["--rescore", tmp_path / "missing.json"], "--rescore: "),
+        ("generate", ["--prompt", "hi", "--cuda-graphs"], "--cuda-graphs: CUDA graphs are captured on a GPU, and "
+                                                          "--device is cpu"),
+        ("benchmark", ["--cuda-graphs", "--device", "cpu"], "--cuda-graphs: CUDA graphs are captured on a GPU"),
     ]
     results = check_arguments([(script, argv) for script, argv, _ in cases])
     for (script, argv, expected), got in zip(cases, results, strict=True):

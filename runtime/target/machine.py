@@ -76,3 +76,17 @@ def synchronized_seconds(device: torch.device, started: float) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - started
+
+
+def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second this process reads from memory with its threads: the best of ``repeats`` sums over a bf16
+    buffer of ``megabytes`` (far past any cache). A decode pass at one row reads every weight once and does little
+    arithmetic per byte, so weight bytes / this is the floor of its time on this machine, whatever the engine."""
+    buffer = torch.ones(megabytes * 2**20 // 2, dtype=torch.bfloat16, device=device)
+    buffer.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        buffer.sum()
+        best = min(best, synchronized_seconds(device, started))
+    return buffer.numel() * buffer.element_size() / best

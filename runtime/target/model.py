@@ -22,6 +22,7 @@ from runtime.target import attention
 from runtime.target.assets import SMOLLM2_GGUF, cache_dir, packaged_file
 from runtime.target.decode_layers import DecodeLayers
 from runtime.target.lean import LeanLlama
+from runtime.target.static_pass import StaticPasses
 from runtime.engine.kv_cache import KVCache
 from runtime.engine.ragged import RaggedRows
 
@@ -96,9 +97,11 @@ class Target:
     The model is never changed: the tree attention (``runtime.target.attention``) and, with ``decode_kernels``, the
     decode layers (``runtime.target.decode_layers``: faster few-row products and compiled bf16 kernels on CPU, same
     results) are switched on only for the duration of ``forward``. The model must be in eval mode.
+    ``fixed_shapes``: verification passes run at fixed shapes (``runtime.target.static_pass``), captured as CUDA
+    graphs on a GPU; on a CPU they run eagerly (the CPU twin of the graphed path, slower than the ordinary pass).
     """
 
-    def __init__(self, model, tokenizer, identity: str, decode_kernels: bool = True):
+    def __init__(self, model, tokenizer, identity: str, decode_kernels: bool = True, fixed_shapes: bool = False):
         if model.training:
             raise ValueError("the target model is in training mode (dropout would change its outputs); call "
                              "model.eval() before handing it to Target")
@@ -117,6 +120,12 @@ class Target:
         self._decode_layers = DecodeLayers(model) if decode_kernels else None
         packed = self._decode_layers.packed if self._decode_layers is not None else None
         self._lean = LeanLlama(model, packed) if LeanLlama.supports(model, packed) else None
+        self._static = None
+        if fixed_shapes:
+            if rescaling_rope_context(self.config) is not None:
+                raise ValueError("this target's rotary embedding rescales with the longest position of each pass, "
+                                 "which a captured pass cannot follow; decode it without fixed shapes (CUDA graphs)")
+            self._static = StaticPasses(self._fixed_shape_pass, capture=self.device.type == "cuda")
 
     @contextmanager
     def _runtime_layers(self):
@@ -208,6 +217,10 @@ class Target:
         ``ragged``: the rows' tokens come packed, input_ids and position_ids [1, T'] (``runtime.engine.ragged``), while
         the mask is the padded [B, 1, N, S]; outputs are then packed too ([1, T', ...]).
         """
+        if self._static is not None and self._static.applies(input_ids, attention_mask, cache, backend, ragged,
+                                                             key_positions):
+            return TargetOutput(*self._static.forward(input_ids, position_ids, cache, attention_mask, logits_from,
+                                                      hidden_layers))
         # key_positions place sliding windows, which a target the lean pass takes has none of
         if self._lean is not None and self._lean.applies(input_ids, attention_mask, backend, ragged, key_positions):
             with nullcontext() if ragged is None else cache.packed(ragged):
@@ -227,6 +240,17 @@ class Target:
             hidden = outputs.last_hidden_state
             layer_hidden = tuple(outputs.hidden_states[i] for i in hidden_layers) if hidden_layers else ()
             return TargetOutput(self.logits(hidden[:, logits_from:]), hidden, layer_hidden)
+
+    def _fixed_shape_pass(self, inputs, cache, hidden_layers: tuple[int, ...]):
+        """The stock pass over a fixed-shape pass's inputs (``runtime.target.static_pass``) -> (logits [B, N, V],
+        hidden [B, N, H], the inputs of ``hidden_layers``)."""
+        with self._runtime_layers():
+            outputs = self.backbone(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
+                                    attention_mask=inputs.mask, use_cache=True, **cache_argument(self.backbone, cache),
+                                    output_hidden_states=bool(hidden_layers), tree_backend="sdpa",
+                                    key_positions=inputs.key_positions)
+        hidden = outputs.last_hidden_state
+        return self.logits(hidden), hidden, tuple(outputs.hidden_states[i] for i in hidden_layers)
 
 
 GGUF_MAGIC = b"GGUF"
@@ -376,11 +400,12 @@ def same_model_identities(identity: str) -> set[str]:
 
 def load_target(name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "float32",
                 device: str | torch.device = "cpu", trust_remote_code: bool = False, quiet: bool = False,
-                attn_implementation: str = "sdpa") -> Target:
+                attn_implementation: str = "sdpa", fixed_shapes: bool = False) -> Target:
     """Load a target from an HF id, a local dir, a .gguf file or an alias (``smollm2-135m``).
 
     ``target.model`` is a stock transformers model in eval mode with ``attn_implementation`` (what HF ``generate``
     and training use); the runtime's own passes switch on tree attention and the decode layers for their duration.
+    ``fixed_shapes``: see ``Target`` (CUDA graphs on a GPU).
     """
     from transformers import AutoTokenizer
 
@@ -400,9 +425,10 @@ def load_target(name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "
     model = model.to(device).eval()
     for parameter in model.parameters():  # a model loaded here is ours to freeze
         parameter.requires_grad_(False)
-    return Target(model, tokenizer, identity)
+    return Target(model, tokenizer, identity, fixed_shapes=fixed_shapes)
 
 
-def target_from_model(model, tokenizer=None, identity: str = "in-memory", decode_kernels: bool = True) -> Target:
+def target_from_model(model, tokenizer=None, identity: str = "in-memory", decode_kernels: bool = True,
+                      fixed_shapes: bool = False) -> Target:
     """Wrap a model built or loaded elsewhere (in eval mode); the model is not changed (see ``Target``)."""
-    return Target(model, tokenizer, identity, decode_kernels)
+    return Target(model, tokenizer, identity, decode_kernels, fixed_shapes)
