@@ -9,6 +9,7 @@ import torch
 
 from runtime.engine.batched import BatchedDecoder
 from runtime.engine.decoder import SpeculativeDecoder
+from runtime.engine.ragged import RaggedRows
 from runtime.engine.tree import Tree, verification_mask
 from runtime.proposers.draft_model import DraftModelProposer
 from runtime.proposers.ngram import NgramProposer
@@ -105,6 +106,48 @@ def test_a_fixed_shape_pass_computes_what_the_ordinary_pass_does(arch):
                                    rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_packed_rows_run_padded_and_come_back_packed(arch):
+    """Rows of 5, 2 and 3 tree nodes packed into one pass (``runtime.engine.ragged``), as the batched decoder sends
+    rows of different sizes: the fixed-shape pass pads them and returns what the ordinary packed pass does."""
+    ordinary, fixed = targets(arch)
+    lengths, counts = [9, 13, 4], [5, 2, 3]
+    trees = [Tree(torch.arange(1, 1 + count) * (row + 2) % VOCAB, torch.tensor([-1, 0, 0, 1, 3][:count]))
+             for row, count in enumerate(counts)]
+    width, keys = max(counts), max(lengths) + max(counts)
+    mask = torch.zeros(3, 1, width, keys, dtype=torch.bool)
+    positions = torch.zeros(3, width, dtype=torch.long)
+    key_positions = torch.arange(keys).repeat(3, 1)
+    for row, (tree, length, count) in enumerate(zip(trees, lengths, counts)):
+        mask[row, 0, :, :length] = True
+        mask[row, 0, :count, length:length + count] = tree.ancestor_mask()
+        padding = torch.arange(count, width)
+        mask[row, 0, padding, length + padding] = True
+        positions[row, :count] = tree.position_ids(length)
+        positions[row, count:] = length
+        key_positions[row, length:length + width] = positions[row]
+    real = torch.arange(width)[None] < torch.tensor(counts)[:, None]
+    tokens = torch.cat([tree.tokens for tree in trees])[None]
+    outputs = []
+    for target in (ordinary, fixed):
+        cache = target.new_cache(3, 40)
+        for row, length in enumerate(lengths):
+            target.forward(torch.arange(length)[None] % VOCAB, torch.arange(length)[None], cache.rows(row, row + 1),
+                           None)
+            cache.set_row_length(row, length)
+        ragged = RaggedRows.from_counts(counts, positions[real])
+        outputs.append((target.forward(tokens, positions[real][None], cache, mask, hidden_layers=(1,),
+                                       key_positions=key_positions, ragged=ragged), cache))
+    assert fixed._static.passes, "the fixed-shape pass was not taken"
+    (want, want_cache), (got, got_cache) = outputs
+    assert got.logits.shape == want.logits.shape == (1, sum(counts), VOCAB)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got.layer_hidden[0], want.layer_hidden[0], rtol=1e-4, atol=1e-5)
+    for row, (length, count) in enumerate(zip(lengths, counts)):
+        torch.testing.assert_close(got_cache.kv[:, :, row, :, :length + count],
+                                   want_cache.kv[:, :, row, :, :length + count], rtol=1e-4, atol=1e-5)
+
+
 def hf_greedy(arch: str, prompt: list[int]) -> list[int]:
     model = tiny_model(arch, seed=0, vocab_size=VOCAB)
     return model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):].tolist()
@@ -128,9 +171,11 @@ def test_decoding_through_fixed_shape_passes_is_the_targets_greedy_decoding(arch
             assert result.tokens == reference, f"{arch}/{proposer}: output differs"
             assert len(calls) >= result.target_forwards - 1  # every pass but a prefill of several rows
             assert {shape[1] for shape in calls} <= set(BUCKETS)
+        calls.clear()
         results = BatchedDecoder(target, proposer, tree_size=6, attention="sdpa").generate(PROMPTS, NEW_TOKENS,
                                                                                           batch_size=3)
         assert [result.tokens for result in results] == references, f"{arch}/{proposer}: a batched row differs"
+        assert any(shape[0] == 3 for shape in calls), "the batched passes did not take fixed shapes"
     assert {key[3] for key in target._static.passes} <= set(BUCKETS)
 
 
@@ -143,14 +188,14 @@ def test_a_pass_larger_than_every_bucket_or_past_the_cache_takes_the_ordinary_pa
     static = fixed._static
     tree = Tree.chain(1, list(range(2, 66)))  # 65 rows: no bucket
     mask = verification_mask(tree.ancestor_mask(), 3)
-    assert not static.applies(tree.tokens[None], mask, cache, "sdpa", None, None)
+    assert not static.applies(tree.tokens[None], mask, cache, "sdpa", None, 0)
     small = Tree.chain(1, [2, 3])  # bucket 4 fits 3 + 4 <= 70
-    assert static.applies(small.tokens[None], verification_mask(small.ancestor_mask(), 3), cache, "sdpa", None, None)
+    assert static.applies(small.tokens[None], verification_mask(small.ancestor_mask(), 3), cache, "sdpa", None, 0)
     assert not static.applies(small.tokens[None], verification_mask(small.ancestor_mask(), 3), cache, "flex", None,
-                              None)
+                              0)
     cache.commit(64)  # 67 committed: a bucket of 4 would write past slot 69
     assert not static.applies(small.tokens[None], verification_mask(small.ancestor_mask(), 67), cache, "sdpa", None,
-                              None)
+                              0)
 
 
 def test_a_target_whose_rotary_rescales_with_each_pass_is_refused_fixed_shapes():

@@ -218,9 +218,9 @@ class Target:
         the mask is the padded [B, 1, N, S]; outputs are then packed too ([1, T', ...]).
         """
         if self._static is not None and self._static.applies(input_ids, attention_mask, cache, backend, ragged,
-                                                             key_positions):
+                                                             logits_from):
             return TargetOutput(*self._static.forward(input_ids, position_ids, cache, attention_mask, logits_from,
-                                                      hidden_layers))
+                                                      hidden_layers, key_positions, ragged))
         # key_positions place sliding windows, which a target the lean pass takes has none of
         if self._lean is not None and self._lean.applies(input_ids, attention_mask, backend, ragged, key_positions):
             with nullcontext() if ragged is None else cache.packed(ragged):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.engine.kv_cache import KVCache
+from runtime.engine.ragged import RaggedRows
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # rows per sequence a pass is padded up to; more rows take the ordinary pass
 WARMUP_PASSES = 2  # eager passes on a side stream before capture, as CUDA graph capture asks
@@ -50,13 +51,16 @@ class FixedInputs:
 
 
 def fixed_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
-                 lengths: torch.Tensor, committed: int, bucket: int, buffer: int) -> FixedInputs:
-    """An ordinary pass's inputs as a fixed-shape pass's: input_ids, position_ids [B, T]; mask [B or 1, 1, T, S0]
-    bool over slots 0 .. S0 - 1 (S0 = committed + T, the longest committed row's length plus the pass's rows, as
+                 lengths: torch.Tensor, committed: int, bucket: int, buffer: int,
+                 key_positions: torch.Tensor | None = None) -> FixedInputs:
+    """An ordinary pass's inputs as a fixed-shape pass's: input_ids, position_ids [B, T]; mask [B or 1, 1, T, S0] bool
+    over slots 0 .. S0 - 1 (S0 = committed + T, the longest committed row's length plus the pass's rows, as
     ``KVCache.update`` returns keys), or None for one row that sees all S0 of them; lengths [B] the rows' committed
-    lengths. Row t of row b writes slot
-    lengths[b] + t, as the ordinary pass does. Pad rows (T .. bucket - 1) repeat the last token and position and see
-    only their own slot. Returns tensors on the inputs' device, shapes [B, bucket] and [B, 1, bucket, buffer]."""
+    lengths. Row t of row b writes slot lengths[b] + t, as the ordinary pass does. Pad rows (T .. bucket - 1) repeat
+    the last token and position and see only their own slot. key_positions [B, S0]: the position each of those slots
+    holds, where the caller says (by default slot j holds position j); the pass's own slots hold its rows'
+    positions. Returns tensors on the inputs' device, shapes [B, bucket] and [B, 1, bucket, buffer].
+    """
     batch, rows = input_ids.shape
     device = input_ids.device
     pad = bucket - rows
@@ -71,7 +75,10 @@ def fixed_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torc
     own = torch.zeros(batch, bucket, buffer, dtype=torch.bool, device=device)
     own.scatter_(2, slots[:, :, None], True)
     full[:, 0, rows:] = own[:, rows:]
-    keys = torch.arange(buffer, device=device).repeat(batch, 1).scatter(1, slots, positions)
+    keys = torch.arange(buffer, device=device).repeat(batch, 1)
+    if key_positions is not None:
+        keys[:, : key_positions.shape[-1]] = key_positions
+    keys.scatter_(1, slots, positions)
     return FixedInputs(ids, positions, full, slots, keys)
 
 
@@ -165,30 +172,36 @@ class StaticPasses:
         self.passes: dict[tuple, FixedShapePass] = {}
         self.buffers: list[torch.Tensor] = []  # the cache buffers passes are kept for, most recent last
 
-    def applies(self, input_ids: torch.Tensor, attention_mask, cache, backend: str, ragged, key_positions) -> bool:
-        """A verification pass (a mask, or one row) of rows a bucket holds, unpacked, whose padded rows fit in the
-        cache, without gradients, on SDPA or the cascade (the same attention: a fixed-shape pass attends with SDPA
-        over the whole buffer)."""
-        rows = input_ids.shape[1]
+    def applies(self, input_ids: torch.Tensor, attention_mask, cache, backend: str, ragged: RaggedRows | None,
+                logits_from: int) -> bool:
+        """A verification pass (a mask, or one row) of rows a bucket holds (packed rows: their widest), whose padded
+        rows fit in the cache, without gradients, on SDPA or the cascade (the same attention: a fixed-shape pass
+        attends with SDPA over the whole buffer)."""
+        rows = input_ids.shape[1] if ragged is None else ragged.width
         bucket = bucket_for(rows, self.buckets)
         return (isinstance(cache, KVCache) and bucket is not None and (attention_mask is not None or rows == 1)
-                and backend in ("sdpa", "cascade") and ragged is None and key_positions is None
-                and not torch.is_grad_enabled()
-                and cache.max_committed + bucket <= cache.max_length)
+                and backend in ("sdpa", "cascade") and (ragged is None or logits_from == 0)
+                and not torch.is_grad_enabled() and cache.max_committed + bucket <= cache.max_length)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache, attention_mask,
-                logits_from: int, hidden_layers: tuple[int, ...]):
+                logits_from: int, hidden_layers: tuple[int, ...], key_positions: torch.Tensor | None = None,
+                ragged: RaggedRows | None = None):
         """(logits [B, T - logits_from, V], hidden [B, T, H], the inputs of ``hidden_layers``) of the ordinary
-        pass over input_ids [B, T], through the fixed-shape pass of T's bucket; the keys and values land in
-        ``cache`` where the ordinary pass puts them (uncommitted)."""
+        pass over input_ids [B, T] (``Target.forward``'s arguments), through the fixed-shape pass of T's bucket;
+        the keys and values land in ``cache`` where the ordinary pass puts them (uncommitted). Packed rows
+        (``ragged``: input_ids [1, T']) run padded, their padding rows written past each row's tokens, and come
+        back packed."""
+        if ragged is not None:
+            input_ids, position_ids = ragged.pad(input_ids, 1), ragged.positions
         rows = input_ids.shape[1]
         bucket = bucket_for(rows, self.buckets)
         kv = cache.kv
         inputs = fixed_inputs(input_ids, position_ids, attention_mask, cache.lengths, cache.max_committed, bucket,
-                              kv.shape[4])
+                              kv.shape[4], key_positions)
         logits, hidden, layer_hidden = self._pass_for(kv, bucket, tuple(hidden_layers), inputs)(inputs)
-        return (logits[:, logits_from:rows].clone(), hidden[:, :rows].clone(),
-                tuple(h[:, :rows].clone() for h in layer_hidden))
+        outputs = (logits[:, logits_from:rows], hidden[:, :rows], *(h[:, :rows] for h in layer_hidden))
+        outputs = [output.clone() if ragged is None else ragged.pack(output) for output in outputs]
+        return outputs[0], outputs[1], tuple(outputs[2:])
 
     def _pass_for(self, kv: torch.Tensor, bucket: int, hidden_layers: tuple[int, ...],
                   inputs: FixedInputs) -> FixedShapePass:
