@@ -45,9 +45,15 @@ class FixedInputs:
     slots: torch.Tensor
     key_positions: torch.Tensor
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.input_ids, self.position_ids, self.mask, self.slots, self.key_positions
+
+    def clone(self) -> FixedInputs:
+        return FixedInputs(*(tensor.clone() for tensor in self.tensors()))
+
     def copy_(self, other: FixedInputs) -> None:
-        for name in ("input_ids", "position_ids", "mask", "slots", "key_positions"):
-            getattr(self, name).copy_(getattr(other, name))
+        for mine, theirs in zip(self.tensors(), other.tensors()):
+            mine.copy_(theirs)
 
 
 def fixed_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
@@ -72,9 +78,7 @@ def fixed_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torc
         full[:, :, :rows, : committed + rows] = True
     else:
         full[:, :, :rows, : mask.shape[-1]] = mask
-    own = torch.zeros(batch, bucket, buffer, dtype=torch.bool, device=device)
-    own.scatter_(2, slots[:, :, None], True)
-    full[:, 0, rows:] = own[:, rows:]
+    full[:, 0, rows:].scatter_(2, slots[:, rows:, None], True)  # each pad row: its own slot
     keys = torch.arange(buffer, device=device).repeat(batch, 1)
     if key_positions is not None:
         keys[:, : key_positions.shape[-1]] = key_positions
@@ -206,13 +210,12 @@ class StaticPasses:
     def _pass_for(self, kv: torch.Tensor, bucket: int, hidden_layers: tuple[int, ...],
                   inputs: FixedInputs) -> FixedShapePass:
         if not any(buffer is kv for buffer in self.buffers):
-            self.buffers = [*self.buffers[-(CACHES_KEPT - 1):], kv] if CACHES_KEPT > 1 else [kv]
+            self.buffers = [*self.buffers, kv][-CACHES_KEPT:]
             kept = {id(buffer) for buffer in self.buffers}
             self.passes = {key: found for key, found in self.passes.items() if key[0] in kept}
         key = (id(kv), tuple(kv.shape), inputs.input_ids.shape[0], bucket, hidden_layers)
         if key not in self.passes:
-            static = FixedInputs(*(tensor.clone() for tensor in (inputs.input_ids, inputs.position_ids, inputs.mask,
-                                                                 inputs.slots, inputs.key_positions)))
+            static = inputs.clone()
 
             def run(fixed: FixedInputs, cache: SlotCache, layers=hidden_layers):
                 return self.run(fixed, cache, layers)
