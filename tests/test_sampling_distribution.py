@@ -44,8 +44,9 @@ def exact_joint(params: SamplingParams) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3.view(VOCAB, VOCAB, VOCAB)
 
 
-def empirical_p_value(proposer, params: SamplingParams, tree_size: int = 4, device: str = "cpu") -> float:
-    target = target_from_model(model(0).to(device), identity="tiny")
+def empirical_p_value(proposer, params: SamplingParams, tree_size: int = 4, device: str = "cpu",
+                      fixed_shapes: bool = False) -> float:
+    target = target_from_model(model(0).to(device), identity="tiny", fixed_shapes=fixed_shapes)
     decoder = SpeculativeDecoder(target, proposer(target) if proposer else None, tree_size=tree_size)
     samples = [decoder.generate(PROMPT, 3, params.temperature, params.top_k, params.top_p, seed=seed).tokens
                for seed in range(SAMPLES)]
@@ -95,6 +96,12 @@ PROPOSERS = {
 @pytest.mark.parametrize("name", list(PROPOSERS))
 def test_distribution_matches_target(name):
     assert empirical_p_value(PROPOSERS[name], SamplingParams(temperature=1.0)) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["draft-tree", "random"])
+def test_distribution_matches_target_through_fixed_shape_passes(name):
+    """The CPU twin of the CUDA-graph passes (runtime.target.static_pass) samples the target's distribution too."""
+    assert empirical_p_value(PROPOSERS[name], SamplingParams(temperature=1.0), fixed_shapes=True) > 1e-3
 
 
 @pytest.mark.parametrize("name,params", [("draft-chain-sampled", SamplingParams(0.7, top_p=0.8)),
