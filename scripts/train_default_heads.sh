@@ -16,8 +16,8 @@
 # scripts/tune_tree.py in each dtype (EAGLE-3 depth 4, top-k 16, 2 verified tokens in fp32 and 8 in bf16; Medusa 2
 # in fp32 and 6 in bf16; measured on a CPU with AMX, where extra rows of a bf16 pass are cheap), the size adaptive
 # tree sizing starts from.
-# The DFlash head (2 drafter layers, blocks of 8) trains last, on the target's bf16 greedy replies to the first 992
-# ShareGPT prompts with the features recorded while generating them (5 epochs), then on the next 960 prompts' replies
+# The DFlash head (2 drafter layers, blocks of 8) trains last, in one stage from scratch: about two passes over the
+# target's bf16 greedy replies to the first 4992 ShareGPT prompts, with the features recorded while generating them
 # (the shipped EAGLE-3 head drafts while generating: lossless, only faster).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -116,16 +116,9 @@ RECORD_DFLASH="python scripts/prepare_data.py selfdistill --out $RUNS/sdd/shareg
 --max-new-tokens 256 --batch-size 16 --dtype bfloat16 --proposer eagle3+ngram head=dflash features.dtype=bfloat16"
 DFLASH="head=dflash head.num_layers=2 head.block_size=8 head.loss_gamma=4 head.num_anchors=64 trainer.threads=2 \
 trainer.precision=bf16 features.mode=recorded features.dir=$RUNS/sdd/store data.val_samples=32 checkpoint.every=50"
-timed "$RUNS/sdd.seconds" $RECORD_DFLASH data.max_samples=960
-timed "$RUNS/dflash.seconds" python training/train.py $DFLASH trainer.max_steps=1500 trainer.warmup_steps=20 \
-  eval.at_start=true eval.every=150 eval.max_samples=32 output_dir="$RUNS/smollm2-dflash"
-python scripts/ship_head.py "$RUNS/smollm2-dflash" smollm2-135m-dflash-stage1 --into "$RUNS/stages" \
-  --train-seconds "$(cat "$RUNS/dflash.seconds")" --data-command "$RECORD_DFLASH data.max_samples=960" \
+timed "$RUNS/sdd.seconds" $RECORD_DFLASH data.max_samples=4960
+timed "$RUNS/dflash.seconds" python training/train.py $DFLASH trainer.max_steps=2600 trainer.warmup_steps=20 \
+  eval.every=325 eval.max_samples=32 output_dir="$RUNS/smollm2-dflash"
+python scripts/ship_head.py "$RUNS/smollm2-dflash" smollm2-135m-dflash --top-k 2 --tree-size bfloat16=4 \
+  --train-seconds "$(cat "$RUNS/dflash.seconds")" --data-command "$RECORD_DFLASH data.max_samples=4960" \
   --data-seconds "$(cat "$RUNS/sdd.seconds")"
-timed "$RUNS/sdd2.seconds" $RECORD_DFLASH data.max_samples=1952
-timed "$RUNS/dflash-2.seconds" python training/train.py $DFLASH head.lr=3e-4 trainer.lr=3e-4 trainer.max_steps=1000 \
-  trainer.warmup_steps=10 features.first_conversation=992 target.dtype=bfloat16 eval.at_start=false eval.every=500 \
-  eval.max_samples=16 init_from="$RUNS/stages/smollm2-135m-dflash-stage1" output_dir="$RUNS/smollm2-dflash-2"
-python scripts/ship_head.py "$RUNS/smollm2-dflash-2" smollm2-135m-dflash --top-k 2 --tree-size bfloat16=4 \
-  --train-seconds "$(cat "$RUNS/dflash-2.seconds")" --data-command "$RECORD_DFLASH data.max_samples=1952" \
-  --data-seconds "$(cat "$RUNS/sdd2.seconds")"
