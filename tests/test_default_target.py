@@ -43,7 +43,7 @@ def test_sampling_runs_and_is_reproducible(targets):
     assert len(first) > 0 and all(0 <= t < target.vocab_size for t in first)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "medusa", "eagle3+ngram"])
+@pytest.mark.parametrize("kind", ["eagle3", "medusa", "eagle3+ngram", "dflash", "dflash+ngram"])
 def test_shipped_heads_are_the_default_and_lossless(targets, kind):
     from heads.shipped import SHIPPED_DIR
     from runtime.proposers import ProposerSpec, build_proposer
