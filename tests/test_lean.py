@@ -23,16 +23,19 @@ FORM = "amx" if bf16_amx_linear() is not None else "blocks" if bf16_packed_linea
 pytestmark = pytest.mark.skipif(FORM is None, reason="the block-packed bf16 kernels do not run on this CPU")
 
 
-def lean_target(seed: int = 0):
+def lean_target(seed: int = 0, compiled_layers: bool = True):
     """A tiny Llama in bf16 whose heads the decode attention kernel takes (head size 64), with and without the lean
-    pass (its plan: the block-packed kernel for every product)."""
+    pass (its plan: the block-packed kernel for every product; ``compiled_layers``: its layer stack in one compiled
+    call where every row has the same length, else its Python loop)."""
     model = tiny_model("llama", seed=seed, vocab_size=96, hidden_size=128, intermediate_size=256,
                        num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
                        max_position_embeddings=256).to(torch.bfloat16)
     target = target_from_model(model, identity="tiny-lean")
     packed = PackedWeights(LinearPlan(FORM, {}, ((256, True),)))
     assert LeanLlama.supports(model, packed)
-    return target, LeanLlama(model, packed)
+    lean = LeanLlama(model, packed, compiled_layers)
+    assert (lean.stack is not None) == compiled_layers  # the compiled stack builds wherever the block kernels run
+    return target, lean
 
 
 def run(target, lean, *args, **kwargs):
@@ -50,11 +53,16 @@ def prefilled(target, prompts: torch.Tensor, extra: int):
     return cache
 
 
+@pytest.mark.parametrize("compiled_layers", [True, False])
 @pytest.mark.parametrize("rows", [1, 3, 7])
-def test_a_verification_pass_equals_the_stock_layers(rows):
-    """Hidden states, requested layer inputs and the cache's new entries: equal; logits within bf16 rounding of the
-    LM head's product (the packed kernel beside the stock rules) and with the same argmax."""
-    target, lean = lean_target()
+def test_a_verification_pass_equals_the_stock_layers(rows, compiled_layers):
+    """Hidden states, requested layer inputs and the cache's new entries: equal, through the compiled layer stack and
+    through the Python loop; logits within bf16 rounding of the LM head's product (the packed kernel beside the stock
+    rules) and with the same argmax."""
+    target, lean = lean_target(compiled_layers=compiled_layers)
+    calls, stack = [], lean.stack
+    if stack is not None:
+        lean.stack = lambda *args: calls.append(1) or stack(*args)
     torch.manual_seed(1)
     prompts = torch.randint(0, 96, (2, 9))
     tree = Tree(torch.randint(0, 96, (rows,)), torch.tensor([-1] + [max(0, i - 2) for i in range(1, rows)]))
@@ -66,7 +74,7 @@ def test_a_verification_pass_equals_the_stock_layers(rows):
         outputs.append(run(target, pass_lean, ids, positions, cache, mask, hidden_layers=(0, 1)))
         caches.append(cache.kv.clone())
     stock, ours = outputs
-    assert lean.layers is not None  # the pass was the lean one
+    assert lean.layers is not None and len(calls) == compiled_layers  # the pass was the lean one, as asked
     assert torch.equal(stock.hidden, ours.hidden) and torch.equal(caches[0], caches[1])
     assert all(torch.equal(a, b) for a, b in zip(stock.layer_hidden, ours.layer_hidden))
     torch.testing.assert_close(ours.logits.float(), stock.logits.float(), atol=0.05, rtol=0.02)
@@ -99,11 +107,12 @@ def test_packed_ragged_rows_equal_the_stock_layers():
     assert torch.equal(outputs[0].hidden, outputs[1].hidden) and torch.equal(caches[0], caches[1])
 
 
+@pytest.mark.parametrize("compiled_layers", [True, False])
 @pytest.mark.parametrize("batched", [False, True])
-def test_decoding_through_the_lean_pass_is_the_stock_passes_decoding(batched):
+def test_decoding_through_the_lean_pass_is_the_stock_passes_decoding(batched, compiled_layers):
     """Greedy decoding with prompt lookup, alone and in a batch of rows: token for token what the stock layers
     decode (both in bf16)."""
-    target, lean = lean_target(seed=3)
+    target, lean = lean_target(seed=3, compiled_layers=compiled_layers)
     prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 8, 9, 8, 9], [1, 2, 3, 4, 1, 2, 3]]
     outputs = []
     for pass_lean in (None, lean):

@@ -28,16 +28,19 @@ from runtime.engine.ragged import RaggedRows
 from runtime.target import attention
 from runtime.target.attention import DECODE_KERNEL_HEAD_SIZES, DECODE_KERNEL_MAX_ROWS
 from runtime.target.decode_layers import LLAMA_FORMULA_NORMS, PackedWeights
-from runtime.target.kernels import bf16_amx_linear, bf16_packed_linear, rms_norm_rows
+from runtime.target.kernels import bf16_amx_linear, bf16_packed_linear, decode_attention, lean_layers, rms_norm_rows
 
 LEAN_FAMILIES = ("llama",)
 
 
 class LeanLlama:
     """The lean pass over ``model``'s weights (a Llama-family transformers causal LM; never changed), with the packed
-    products of ``packed`` (its plan's form must be one the block kernels read)."""
+    products of ``packed`` (its plan's form must be one the block kernels read). ``compiled_layers``: where every row
+    has the same cache length (a batch-1 step among them), run the layer stack in one compiled call
+    (``runtime.target.kernels.lean_layers``: the same operations as ``_layer``, without a Python call per operation)
+    where it builds; False keeps the Python loop (what the tests hold it to)."""
 
-    def __init__(self, model, packed: PackedWeights):
+    def __init__(self, model, packed: PackedWeights, compiled_layers: bool = True):
         self.model, self.config = model, model.config
         config = self.config
         self.heads, self.kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
@@ -52,6 +55,8 @@ class LeanLlama:
         self.embed, self.rotary, self.final_norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
         self.lm_head = model.get_output_embeddings().weight
         self.lm_head_packed = None
+        self._stack_args = None
+        self.stack = lean_layers(packed.plan.form == "amx") if compiled_layers else None
 
     @staticmethod
     def supports(model, packed: PackedWeights | None) -> bool:
@@ -123,12 +128,30 @@ class LeanLlama:
         wanted, kept = set(hidden_layers), {}
         # the attention module's choice, looked up per pass: the same kernel the stock layers' tree attention takes
         kernel = attention.decode_attention()
+        # the compiled stack attends with its own build of the kernel: where the choice is another, the loop runs it
+        if views is not None and self.stack is not None and kernel is decode_attention():
+            x, *inputs = self.stack(x, *self._stack_weights(), cos, sin, views[0], views[1], attention_mask, batch,
+                                    rows, self.heads, self.kv_heads, self.intermediate, self.scale,
+                                    sorted(wanted))
+            kept = dict(zip(sorted(wanted), inputs))
+            hidden = self.norm(x, self.final_norm.weight, float(self.final_norm.variance_epsilon))
+            return hidden.reshape(batch, rows, -1), tuple(kept[i] for i in hidden_layers)
         for index, layer in enumerate(self.layers):
             if index in wanted:
                 kept[index] = x.reshape(batch, rows, -1)
             x = self._layer(x, layer, index, batch, rows, cos, sin, cache, views, attention_mask, ragged, kernel)
         hidden = self.norm(x, self.final_norm.weight, float(self.final_norm.variance_epsilon))
         return hidden.reshape(batch, rows, -1), tuple(kept[i] for i in hidden_layers)
+
+    def _stack_weights(self) -> tuple[list[torch.Tensor], list[int], list[float]]:
+        """The layers' packed weights, product sizes and norm epsilons as ``lean_layers`` takes them (built once)."""
+        if self._stack_args is None:
+            names = ("qkv", "o", "gate_up", "down")
+            self._stack_args = ([t for layer in self.layers for t in [layer[n][0] for n in names]
+                                 + [layer["input_norm"], layer["post_norm"]]],
+                                [layer[n][1] for layer in self.layers for n in names],
+                                [layer["eps"] for layer in self.layers])
+        return self._stack_args
 
     def _layer(self, x, layer, index, batch, rows, cos, sin, cache, views, mask, ragged, kernel):
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim

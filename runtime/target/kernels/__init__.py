@@ -40,10 +40,13 @@ AMX_KERNEL_FLAGS = (*DOT_KERNEL_FLAGS, "-mamx-tile", "-mamx-bf16")
 
 
 @functools.cache
-def _compiled(source: str, fallback: str, isa_flags: tuple[str, ...] = ROW_KERNEL_FLAGS, variant: str = ""):
+def _compiled(source: str, fallback: str, isa_flags: tuple[str, ...] = ROW_KERNEL_FLAGS, variant: str = "",
+              linked: tuple[str, ...] = (), defines: tuple[str, ...] = ()):
     """The compiled ``source`` (a file beside this one), or None where it cannot be built or run; ``fallback`` says
     in the warning what runs instead. ``isa_flags``: the instruction sets it is written for (the caller checks that
-    the CPU has them beyond AVX2); ``variant`` names a second build of the same source with other flags."""
+    the CPU has them beyond AVX2); ``variant`` names a second build of the same source with other flags; ``linked``:
+    other sources built into the same module (whose own Python modules ``HEADSTART_ONE_MODULE`` leaves out);
+    ``defines``: preprocessor names defined for every source."""
     if torch.backends.cpu.get_cpu_capability() not in KERNEL_CPU_CAPABILITIES:
         return None  # the kernels are written with AVX2/FMA intrinsics
     # torch's loader rebuilds when a source changes, not when a header it includes does: the headers' hash is part of
@@ -56,7 +59,8 @@ def _compiled(source: str, fallback: str, isa_flags: tuple[str, ...] = ROW_KERNE
                       stacklevel=3)
         return None
     try:
-        return build_source(SOURCE_DIR / source, name, isa_flags)
+        return build_source(SOURCE_DIR / source, name, isa_flags, tuple(SOURCE_DIR / other for other in linked),
+                            defines)
     except Exception as error:  # no compiler or ninja: fall back rather than fail decoding
         warnings.warn(f"the kernel {source} could not be built ({type(error).__name__}: {error}); {fallback}",
                       stacklevel=3)
@@ -72,15 +76,19 @@ def _headers_hash() -> str:
     return digest.hexdigest()[:8]
 
 
-def build_source(path: Path, name: str, isa_flags: tuple[str, ...]):
-    """Compile the kernel source ``path`` as extension module ``name`` (cached by torch); raises where it cannot be
-    built. The kernels' shared header is on the include path, so another version of a kernel's source (a benchmark's
-    baseline) builds the same way."""
+def build_source(path: Path, name: str, isa_flags: tuple[str, ...], linked: tuple[Path, ...] = (),
+                 defines: tuple[str, ...] = ()):
+    """Compile the kernel source ``path`` (with the sources ``linked``) as extension module ``name`` (cached by
+    torch); raises where it cannot be built. The kernels' shared header is on the include path, so another version of
+    a kernel's source (a benchmark's baseline) builds the same way."""
     from torch.utils.cpp_extension import load
 
-    return load(name=name, sources=[str(path)], extra_include_paths=[str(SOURCE_DIR)],
+    flags = ["-O3", *isa_flags, "-fopenmp", *(f"-D{define}" for define in defines)]
+    if linked:
+        flags.append("-DHEADSTART_ONE_MODULE")
+    return load(name=name, sources=[str(path), *map(str, linked)], extra_include_paths=[str(SOURCE_DIR)],
                 # without OpenMP, at::parallel_for runs on one thread
-                extra_cflags=["-O3", *isa_flags, "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
 
 
 STALE_LOCK_SECONDS = 600  # a first build takes well under this; an older lock outlived the build that made it
@@ -234,6 +242,23 @@ def rms_norm_rows() -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tenso
     """
     module = _compiled("rms_norm.cpp", "bf16 RMSNorm runs as PyTorch's eight calls")
     return None if module is None else module.rms_norm_rows
+
+
+@functools.cache
+def lean_layers(amx: bool) -> Callable[..., list[torch.Tensor]] | None:
+    """The lean pass's decoder layers in one call (lean_layers.cpp; ``runtime.target.lean.LeanLlama`` says what it
+    takes), with the AMX tile kernel's products (``amx``) or the AVX512-BF16 packed kernel's, or None where those do
+    not run here or it cannot be built. Each layer is ``LeanLlama._layer``'s operations in its order and dtypes, equal
+    bit for bit (the test holds the two to each other)."""
+    if (bf16_amx_linear() if amx else bf16_packed_linear()) is None or decode_attention() is None:
+        return None
+    linked = ("bf16_packed_rows.cpp", "rms_norm.cpp", "decode_attention.cpp") + (("bf16_amx_rows.cpp",) if amx else ())
+    module = _compiled("lean_layers.cpp", "the lean pass calls each layer's operations from Python",
+                       AMX_KERNEL_FLAGS if amx else DOT_KERNEL_FLAGS, "amx" if amx else "", linked,
+                       ("HEADSTART_AMX",) if amx else ())
+    if module is None or (amx and not module.enable_amx()):
+        return None
+    return module.lean_layers
 
 
 @functools.cache

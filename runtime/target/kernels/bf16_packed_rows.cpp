@@ -96,8 +96,10 @@ torch::Tensor bf16_packed_linear(const torch::Tensor& x, const torch::Tensor& pa
   return a.out;
 }
 
+#ifndef HEADSTART_ONE_MODULE  // lean_layers.cpp's build links this source into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_packed_linear", &bf16_packed_linear,
         "x [M, K] bf16 @ (weight [N, K] packed) ^T (+ bias [N]) -> [M, N] bf16", pybind11::arg("x"),
         pybind11::arg("packed"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
 }
+#endif

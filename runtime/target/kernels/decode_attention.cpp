@@ -434,6 +434,7 @@ torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& 
   return out;
 }
 
+#ifndef HEADSTART_ONE_MODULE  // lean_layers.cpp's build links this source into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention,
         "query [B, H, T, D] bf16 over key/value [B, Hkv, S, D] bf16 with a bool mask [B|1, 1, T, S] or None -> "
@@ -441,3 +442,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("mask"),
         pybind11::arg("scale"), pybind11::arg("counts") = pybind11::none());
 }
+#endif

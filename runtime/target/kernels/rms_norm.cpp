@@ -61,7 +61,9 @@ torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight,
   return out;
 }
 
+#ifndef HEADSTART_ONE_MODULE  // lean_layers.cpp's build links this source into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_rows", &rms_norm_rows, "weight * bf16(x * rsqrt(mean(x^2) + eps)) over bf16 rows",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
 }
+#endif
