@@ -4,10 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import runtime.target.kernels as kernels
 from runtime.target.decode_layers import DOT_KERNEL_MAX_ROWS, WEIGHT_MAJOR_MAX_ROWS, decode_linear
-from runtime.target.kernels import (KERNEL_CPU_CAPABILITIES, bf16_amx_linear, bf16_dot_linear, bf16_packed_linear,
-                                    bf16_rows_linear, bf16_rows_matmul, decode_attention, decode_attention_avx2,
-                                    onednn_bf16_linear, pack_bf16_weight, pack_onednn_weight, rms_norm_rows)
+from runtime.target.kernels import (KERNEL_CPU_CAPABILITIES, Int8Rows, bf16_amx_linear, bf16_dot_linear,
+                                    bf16_packed_linear, bf16_rows_linear, bf16_rows_matmul, decode_attention,
+                                    decode_attention_avx2, int8_argmax, int8_candidates, onednn_bf16_linear,
+                                    pack_bf16_weight, pack_onednn_weight, rms_norm_rows)
 
 
 def built_or_fail(accessor=bf16_rows_matmul):
@@ -458,3 +460,104 @@ def test_cpus_with_avx512_bf16_run_the_attention_build_made_for_them():
     if not avx512_bf16_kernels():
         pytest.skip("the CPU (or torch's capability) has no AVX512-BF16")
     assert decode_attention() is not None and decode_attention() is not decode_attention_avx2()
+
+
+# The greedy LM head: candidates from an int8 copy of the weight, then the bf16 kernel on those rows alone.
+def int8_or_skip():
+    dot_kernel_or_skip()
+    if not getattr(torch.cpu, "_is_vnni_supported", lambda: False)():
+        pytest.skip("the int8 candidates need AVX512-VNNI")
+    assert int8_candidates() is not None, "int8_candidates: the kernel did not build on a CPU with AVX512-VNNI"
+
+
+@pytest.mark.parametrize("which", PACKED_KERNELS)
+def test_bf16_packed_linear_columns_do_not_depend_on_their_neighbours(which):
+    """A weight row's output is the same bit for bit whichever rows are packed beside it (int8_argmax computes the
+    candidates' rows apart from the rest)."""
+    kernel = packed_kernel_or_skip(which)
+    generator = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 576, generator=generator).bfloat16()
+    weight = torch.randn(200, 576, generator=generator).bfloat16()
+    full = kernel(x, pack_bf16_weight(weight), 200, None)
+    for chosen in ([5], [0, 33, 199], list(range(64, 131, 3))):
+        index = torch.tensor(chosen)
+        part = kernel(x, pack_bf16_weight(weight[index]), len(chosen), None)
+        assert torch.equal(part.view(torch.int16), full[:, index].view(torch.int16))
+
+
+@pytest.mark.parametrize("k", [576, 101, 3])
+def test_gather_packed_is_pack_of_the_chosen_rows(k):
+    int8_or_skip()
+    weight = torch.randn(90, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+    for chosen in ([0], [3, 4, 89], list(range(0, 90, 2))):
+        index = torch.tensor(chosen)
+        assert torch.equal(kernels._int8_module().gather_packed(weight, index), pack_bf16_weight(weight[index]))
+
+
+def greedy_reference(kernel, x, weight):
+    return kernel(x, pack_bf16_weight(weight), weight.shape[0], None).argmax(-1)
+
+
+@pytest.mark.parametrize("which", PACKED_KERNELS)
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("n, k", [(1000, 576), (517, 64), (33, 130)])
+def test_int8_argmax_is_the_products_argmax(which, rows, n, k):
+    """Random weights at an LM head's scale and hidden rows with a few large features (as after a final norm): the
+    argmax of every row equals the full product's, and every index holding a row's largest bf16 output is among the
+    candidates."""
+    kernel = packed_kernel_or_skip(which)
+    int8_or_skip()
+    generator = torch.Generator().manual_seed(rows * 7 + n + k)
+    weight = (torch.randn(n, k, generator=generator) * 0.05).bfloat16()
+    x = torch.randn(rows, k, generator=generator)
+    x[:, :3] *= 20
+    x = x.bfloat16()
+    int8 = Int8Rows(weight)
+    assert torch.equal(int8_argmax(x, weight, int8, kernel, pack_bf16_weight(weight)),
+                       greedy_reference(kernel, x, weight))
+    logits = kernel(x, pack_bf16_weight(weight), n, None).float()
+    found = int8.candidates(x, n)
+    assert found is not None and torch.equal(found, found.sort().values)
+    largest = (logits == logits.amax(-1, keepdim=True)).any(0).nonzero().flatten()
+    assert set(largest.tolist()) <= set(found.tolist())
+
+
+@pytest.mark.parametrize("which", PACKED_KERNELS)
+def test_int8_argmax_ties_and_near_ties_pick_the_first_largest(which):
+    """Rows equal to the best one, rows one bf16 step away from it, and a row whose int8 copy ranks it first but whose
+    bf16 output does not: the first index of the largest bf16 output, as argmax takes it."""
+    kernel = packed_kernel_or_skip(which)
+    int8_or_skip()
+    generator = torch.Generator().manual_seed(11)
+    k = 64
+    weight = (torch.randn(300, k, generator=generator) * 0.05).bfloat16()
+    x = torch.randn(2, k, generator=generator).bfloat16()
+    best = int(greedy_reference(kernel, x[:1], weight))
+    weight[250] = weight[best]  # an exact tie later in the vocabulary: the first stays the argmax
+    weight[5] = weight[best]  # ... and earlier: it becomes the argmax
+    near = weight[best].clone()
+    near.view(torch.int16)[0] += 1  # one bf16 step further from zero: an output a step or two away from the best
+    weight[120] = near
+    packed, int8 = pack_bf16_weight(weight), Int8Rows(weight)
+    for rows in (x[:1], x):
+        assert torch.equal(int8_argmax(rows.contiguous(), weight, int8, kernel, packed),
+                           greedy_reference(kernel, rows.contiguous(), weight))
+
+
+def test_int8_candidates_leave_what_they_cannot_bound_to_the_full_product():
+    """A row that is all zero or not finite, or more candidates than the cap: no candidates (the full product)."""
+    int8_or_skip()
+    kernel = packed_kernel_or_skip()
+    weight = torch.randn(100, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    int8 = Int8Rows(weight)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    assert int8.candidates(x, 100) is not None and int8.candidates(x, 0) is None
+    for bad in (0.0, float("inf"), float("nan")):
+        rows = x.clone()
+        rows[1] = bad if bad != 0.0 else rows[1] * 0
+        rows[1, 0] = bad
+        assert int8.candidates(rows, 100) is None
+    zero = x.clone()
+    zero[2] = 0
+    expected = torch.cat([greedy_reference(kernel, x[:2].contiguous(), weight), torch.zeros(1, dtype=torch.long)])
+    assert torch.equal(int8_argmax(zero, weight, int8, kernel, pack_bf16_weight(weight)), expected)

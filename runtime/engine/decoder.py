@@ -294,7 +294,7 @@ class SpeculativeDecoder:
         result.draft_seconds += time.perf_counter() - drafting
         path, bonus, out = self._verify(draft, run.cache, sampling, generator, proposer.hidden_layers)
         run.extra_logits = out.logits[0, tree.size:] if draft.extra_count else None
-        proposer.observe(run.state, step.history, tree, out.logits[0, :tree.size])
+        proposer.observe(run.state, step.history, tree, None if out.logits is None else out.logits[0, :tree.size])
         if sizer is not None and not draft.extra_count:
             # A pass with extra rows (lookahead's window behind lookup) is sized by its proposer: its acceptance and
             # time would teach the sizer about another drafter than the one it sizes. A step's time counts when the
@@ -323,13 +323,17 @@ class SpeculativeDecoder:
         # A lone root sees the whole cache: no mask lets SDPA take its fastest kernel.
         mask = verification_mask(draft.row_mask(ancestors), prefix) if draft.rows > 1 else None
         positions = draft.position_ids(prefix)
+        greedy = sampling.greedy and self.acceptance == "exact"
+        # a greedy pass whose logits nobody reads (no extra rows, a proposer that does not learn from them) may
+        # compute only their argmax
+        only_argmax = greedy and not draft.extra_count and not self.proposer.observes_logits
         out = target.forward(draft.tokens()[None], positions[None], cache, mask, hidden_layers=hidden_layers,
-                             backend=self.attention, prefix_len=prefix)
-        logits = out.logits[0, :tree.size]
-        if sampling.greedy and self.acceptance == "exact":
-            path, bonus = greedy_accept(tree.tokens, tree.parents, ancestors, greedy_tokens(logits))
+                             backend=self.attention, prefix_len=prefix, argmax=only_argmax)
+        if greedy:
+            chosen = out.argmax[0, :tree.size] if only_argmax else greedy_tokens(out.logits[0, :tree.size])
+            path, bonus = greedy_accept(tree.tokens, tree.parents, ancestors, chosen)
         else:
-            path, bonus = drawn_accept(tree, logits, sampling, self.acceptance, generator)
+            path, bonus = drawn_accept(tree, out.logits[0, :tree.size], sampling, self.acceptance, generator)
         keep = torch.tensor([path], dtype=torch.long, device=device)
         cache.compact(keep, torch.tensor([len(path)], device=device))
         return path, bonus, out

@@ -66,6 +66,8 @@ class Proposer:
     drafts_without_a_model: bool = False
     # It verifies trees of its own ``tree_size`` at every step (``sizes_own_tree``).
     own_tree_size: bool = False
+    # It learns from the verified nodes' logits (``observe``); otherwise a greedy pass may compute only their argmax.
+    observes_logits: bool = False
 
     def start(self, prompt: torch.Tensor, max_length: int, sampling: SamplingParams | None = None) -> Any:
         """Per-generation state for a prompt [P] and a total length bound; ``sampling`` is the generation's (None:
@@ -89,10 +91,11 @@ class Proposer:
         in a run of drafting passes."""
         return None
 
-    def observe(self, state: Any, history: torch.Tensor, tree: Tree, logits: torch.Tensor) -> None:
+    def observe(self, state: Any, history: torch.Tensor, tree: Tree, logits: torch.Tensor | None) -> None:
         """The target's logits [N, V] at the nodes of ``tree``, just verified, for a proposer that learns from them
-        (lookahead's recycled successors); history [L] is the history the tree was drafted from (its root is
-        history[-1]). The decoders call it after every verification pass, before the next proposal."""
+        (lookahead's recycled successors; None for a proposer that does not, ``observes_logits``, where the pass
+        computed only their argmax); history [L] is the history the tree was drafted from (its root is history[-1]).
+        The decoders call it after every verification pass, before the next proposal."""
 
     @property
     def drafters(self) -> dict[str, Proposer]:

@@ -400,6 +400,7 @@ class LookaheadProposer(Proposer):
             successors = SuccessorTable(prior=prior)
         self.successors = successors
         self.extra_rows = settings.window_rows
+        self.observes_logits = settings.recycled
         self.tree_size = settings.tree_size
         self.tree_size_reason = reason or f"{settings}"
         # recycled paths go as deep as the tree allows

@@ -72,6 +72,7 @@ class LookupFirstProposer(Proposer):
         # a head sizing its own trees (lookahead's width) has no measured size for lookup's chains to start from
         self.tree_size = None if head.sizes_own_tree else head.tree_size
         self.extra_rows = head.extra_rows
+        self.observes_logits = head.observes_logits
 
     @property
     def trained_acceptance(self) -> float | None:

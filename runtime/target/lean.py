@@ -28,7 +28,9 @@ from runtime.engine.ragged import RaggedRows
 from runtime.target import attention
 from runtime.target.attention import DECODE_KERNEL_HEAD_SIZES, DECODE_KERNEL_MAX_ROWS
 from runtime.target.decode_layers import LLAMA_FORMULA_NORMS, PackedWeights
-from runtime.target.kernels import bf16_amx_linear, bf16_packed_linear, decode_attention, lean_layers, rms_norm_rows
+from runtime.engine.sampling import greedy_tokens
+from runtime.target.kernels import (Int8Rows, bf16_amx_linear, bf16_packed_linear, decode_attention, int8_argmax,
+                                    int8_candidates, lean_layers, rms_norm_rows)
 
 LEAN_FAMILIES = ("llama",)
 
@@ -55,6 +57,7 @@ class LeanLlama:
         self.embed, self.rotary, self.final_norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
         self.lm_head = model.get_output_embeddings().weight
         self.lm_head_packed = None
+        self.lm_head_int8 = None  # the LM head's int8 copy for greedy passes, made on the first (``argmax``)
         self._stack_args = None
         self.stack = lean_layers(packed.plan.form == "amx") if compiled_layers else None
 
@@ -110,6 +113,20 @@ class LeanLlama:
         if rows.shape[0] == 0:  # a prefill that wants no logits here
             return hidden.new_zeros(*hidden.shape[:-1], self.lm_head.shape[0])
         return self.linear(rows, *self.lm_head_packed, None).reshape(*hidden.shape[:-1], -1)
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> [...] long: the greedy token of each row, ``greedy_tokens(self.logits(hidden))``
+        computed from the LM head's int8 copy and the few bf16 rows it cannot rule out where the CPU has
+        AVX512-VNNI (``runtime.target.kernels.int8_argmax``), else from the logits."""
+        if int8_candidates() is None or hidden.numel() == 0:
+            return greedy_tokens(self.logits(hidden))
+        if self.lm_head_packed is None:
+            self.lm_head_packed = (self.pack(self.lm_head), self.lm_head.shape[0])
+        if self.lm_head_int8 is None:
+            self.lm_head_int8 = Int8Rows(self.lm_head)
+        rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        tokens = int8_argmax(rows, self.lm_head, self.lm_head_int8, self.linear, self.lm_head_packed[0])
+        return tokens.reshape(hidden.shape[:-1])
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache, attention_mask,
                 ragged: RaggedRows | None = None, hidden_layers: tuple[int, ...] = ()):

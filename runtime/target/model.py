@@ -25,6 +25,7 @@ from runtime.target.lean import LeanLlama
 from runtime.target.static_pass import StaticPasses
 from runtime.engine.kv_cache import KVCache
 from runtime.engine.ragged import RaggedRows
+from runtime.engine.sampling import greedy_tokens
 
 DEFAULT_TARGET = "smollm2-135m"
 ALIASES = {"smollm2-135m": SMOLLM2_GGUF, "smollm2-135m-instruct": SMOLLM2_GGUF}
@@ -83,12 +84,15 @@ def rescaling_rope_context(config) -> int | None:
 
 @dataclass
 class TargetOutput:
-    """logits [B, T', V] (T' = positions asked for); hidden [B, T, H]: last layer after the final norm;
-    layer_hidden: the inputs of the requested decoder layers, each [B, T, H] (EAGLE-3 fusion)."""
+    """logits [B, T', V] (T' = positions asked for; None where a pass asked only for their argmax and computed just
+    that); hidden [B, T, H]: last layer after the final norm; layer_hidden: the inputs of the requested decoder
+    layers, each [B, T, H] (EAGLE-3 fusion); argmax [B, T'] long: where asked for, the greedy token at each position
+    (the first largest logit, as ``runtime.engine.sampling.greedy_tokens`` takes it)."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     hidden: torch.Tensor
     layer_hidden: tuple[torch.Tensor, ...] = ()
+    argmax: torch.Tensor | None = None
 
 
 class Target:
@@ -205,7 +209,8 @@ class Target:
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
                 attention_mask: torch.Tensor | None, *, logits_from: int = 0, hidden_layers: tuple[int, ...] = (),
                 backend: str = "sdpa", prefix_len: int | None = None,
-                key_positions: torch.Tensor | None = None, ragged: RaggedRows | None = None) -> TargetOutput:
+                key_positions: torch.Tensor | None = None, ragged: RaggedRows | None = None,
+                argmax: bool = False) -> TargetOutput:
         """Run new tokens through the target; writes their K/V into ``cache`` (uncommitted).
 
         input_ids, position_ids: [B, T]; attention_mask: [B, 1, T, S] bool over cache slots (S = cache's max
@@ -215,8 +220,19 @@ class Target:
         key slot holds, for sliding-window layers when rows have different committed lengths (by default slot j of
         the committed cache holds position j and the pass's own entries come last; ``sliding_window_mask``).
         ``ragged``: the rows' tokens come packed, input_ids and position_ids [1, T'] (``runtime.engine.ragged``), while
-        the mask is the padded [B, 1, N, S]; outputs are then packed too ([1, T', ...]).
+        the mask is the padded [B, 1, N, S]; outputs are then packed too ([1, T', ...]). ``argmax``: also return
+        the greedy token at each position; the lean pass then computes only those (its LM head reads an int8 copy
+        of the weights and just the rows that may hold the largest logit, ``runtime.target.kernels.int8_argmax``)
+        and no logits.
         """
+        out = self._forward(input_ids, position_ids, cache, attention_mask, logits_from, hidden_layers, backend,
+                            prefix_len, key_positions, ragged, argmax)
+        if argmax and out.argmax is None:
+            out.argmax = greedy_tokens(out.logits)
+        return out
+
+    def _forward(self, input_ids, position_ids, cache, attention_mask, logits_from, hidden_layers, backend, prefix_len,
+                 key_positions, ragged, argmax: bool) -> TargetOutput:
         if self._static is not None and self._static.applies(input_ids, attention_mask, cache, backend, ragged,
                                                              logits_from):
             return TargetOutput(*self._static.forward(input_ids, position_ids, cache, attention_mask, logits_from,
@@ -226,6 +242,8 @@ class Target:
             with nullcontext() if ragged is None else cache.packed(ragged):
                 hidden, layer_hidden = self._lean.forward(input_ids, position_ids, cache, attention_mask, ragged,
                                                           hidden_layers)
+            if argmax:
+                return TargetOutput(None, hidden, layer_hidden, self._lean.argmax(hidden[:, logits_from:]))
             return TargetOutput(self._lean.logits(hidden[:, logits_from:]), hidden, layer_hidden)
         if prefix_len is None and backend == "cascade":  # the committed cache, which every new row sees whole
             prefix_len = int(cache.lengths.min())

@@ -17,6 +17,9 @@ product).
 ``decode_attention``: attention of a few bf16 query rows over a bf16 KV cache (decode_attention.cpp), tested against
 fp32 SDPA over the same values.
 ``rms_norm_rows``: the Llama-family RMSNorm over bf16 rows in one call (rms_norm.cpp), tested against the module.
+``int8_argmax``: the first index of each bf16 row's largest output of a vocabulary projection, reading an int8 copy of
+its weight (``Int8Rows``) and only the bf16 rows that may hold the largest (int8_candidates.cpp), equal to
+``bf16_linear(x).argmax(-1)`` always.
 ``native_bf16_matmul``: whether the CPU has bf16 matrix instructions, which make PyTorch's own bf16 product fast.
 """
 
@@ -259,6 +262,80 @@ def lean_layers(amx: bool) -> Callable[..., list[torch.Tensor]] | None:
     if module is None or (amx and not module.enable_amx()):
         return None
     return module.lean_layers
+
+
+INT8_BLOCK_ROWS = 16  # weight rows per packed int8 block (int8_candidates.cpp)
+
+
+@functools.cache
+def int8_candidates() -> Callable[..., torch.Tensor] | None:
+    """int8_candidates.cpp's function (``Int8Rows.candidates`` calls it), or None where the CPU lacks AVX512-BF16 or
+    AVX512-VNNI or it cannot be built."""
+    if not avx512_bf16_kernels() or not getattr(torch.cpu, "_is_vnni_supported", lambda: False)():
+        return None
+    module = _int8_module()
+    return None if module is None else module.int8_candidates
+
+
+def _int8_module():
+    return _compiled("int8_candidates.cpp", "greedy steps compute every logit", (*DOT_KERNEL_FLAGS, "-mavx512vnni"))
+
+
+class Int8Rows:
+    """An int8 copy of a bf16 weight [N, K] (one scale per row, rounded to nearest) packed for int8_candidates.cpp,
+    with what its bound needs per row: the sum of the int8 row, |w - s q| + gamma_K |w| and s |q|, each rounded up.
+    Half the weight's memory; the weight itself is untouched."""
+
+    def __init__(self, weight: torch.Tensor, chunk: int = 4096):
+        n, k = weight.shape
+        blocks, quads = -(-n // INT8_BLOCK_ROWS), -(-k // 4)
+        padded = blocks * INT8_BLOCK_ROWS
+        q = torch.zeros(padded, 4 * quads, dtype=torch.int8)
+        self.sums = torch.zeros(padded, dtype=torch.int32)
+        self.scale, self.c1, self.c2 = (torch.zeros(padded) for _ in range(3))
+        # any order of K fp32 additions of exact products is within gamma of the exact sum times the sum of |terms|
+        unit = 2.0 ** -24
+        gamma = (k + 2) * unit / (1 - (k + 2) * unit)
+        for start in range(0, n, chunk):
+            rows = weight[start:start + chunk].detach().double()
+            scale = (rows.abs().amax(-1) / 127).float().double()
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            ints = (rows / scale[:, None]).round().clamp(-127, 127)
+            end = start + rows.shape[0]
+            q[start:end, :k] = ints.to(torch.int8)
+            self.sums[start:end] = ints.sum(-1).to(torch.int32)
+            self.scale[start:end] = scale.float()
+            error = (rows - scale[:, None] * ints).norm(dim=-1)
+            up = 1 + 2.0 ** -20  # fp64 norms rounded up past fp32's rounding
+            self.c1[start:end] = ((error + gamma * rows.norm(dim=-1)) * up).float()
+            self.c2[start:end] = (scale * ints.norm(dim=-1) * up).float()
+        self.packed = q.reshape(blocks, INT8_BLOCK_ROWS, quads, 4).transpose(1, 2).contiguous()
+        self.rows = n
+
+    def candidates(self, x: torch.Tensor, cap: int) -> torch.Tensor | None:
+        """x [M, K] bf16 (M <= 16) -> sorted indices [C] of the weight rows that may hold some row's largest bf16
+        output, or None when it cannot tell (a row not finite or all zero, or more than ``cap`` candidates)."""
+        found = int8_candidates()(x.contiguous(), self.packed, self.sums, self.scale, self.c1, self.c2, self.rows,
+                                  cap)
+        return found if found.numel() else None
+
+
+INT8_ARGMAX_MAX_ROWS = 16
+
+
+def int8_argmax(x: torch.Tensor, weight: torch.Tensor, int8: Int8Rows, linear: Callable[..., torch.Tensor],
+                packed: torch.Tensor, cap: int = 4096) -> torch.Tensor:
+    """x [M, K] bf16, weight [N, K] bf16 -> [M] long: the first index of each row's largest output of
+    ``linear(x, packed, N, None)`` (``packed``: ``pack_bf16_weight(weight)`` for one of the block kernels), computing
+    only the outputs ``int8`` cannot rule out, with the same kernel: each output depends on its own weight row alone,
+    so they are the full product's values, and every output ruled out is smaller than one of them. Falls back to the
+    full product where the bound rules out too little (over ``cap`` candidates) or x has more than
+    INT8_ARGMAX_MAX_ROWS rows."""
+    found = int8.candidates(x, cap) if 1 <= x.shape[0] <= INT8_ARGMAX_MAX_ROWS else None
+    if found is None:
+        return linear(x, packed, weight.shape[0], None).argmax(-1)
+    rows = _int8_module().gather_packed(weight.contiguous(), found)  # pack_bf16_weight(weight[found])
+    return found[linear(x, rows, found.numel(), None).argmax(-1)]
 
 
 @functools.cache
