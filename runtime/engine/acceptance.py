@@ -23,6 +23,8 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, ancestor_mask: to
     path (itself included) carries the target's argmax at its parent. The deepest accepted node wins; with a
     deterministic target at most one child per node matches, so the accepted nodes form one path.
     """
+    if tokens.numel() == 1:  # a lone root (plain decoding): nothing to match, the root's argmax is the bonus
+        return [0], int(target_argmax[0])
     matches = tokens == target_argmax[parents.clamp_min(0)]
     matches[0] = True
     accepted = ~(ancestor_mask & ~matches[None, :]).any(dim=1)  # [N]

@@ -6,11 +6,60 @@
 // Built with the kernels' sources into one module; with HEADSTART_AMX the products are the AMX tile kernel's.
 #include <torch/extension.h>
 
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "kernels.h"
 
 namespace {
+
+inline float widen(uint16_t bits) {
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof(value));
+  return value;
+}
+
+inline float round_bf16(float value) { return widen(at::BFloat16(value).x); }
+
+// Rotary on the query and key heads of qkv [B, T, Hq + 2 Hkv, D] (bf16, contiguous) with cos, sin [B, T, 1, D] (sin's
+// first half negated): each value bf16(bf16(x cos) + bf16(roll(x, D / 2) sin)), as the three bf16 ATen ops of
+// LeanLlama._layer compute it. The queries go to query [B, T, Hq, D] (contiguous), the keys to key [B, Hkv, T, D] and
+// the values, unrotated, to value [B, Hkv, T, D] (the cache's slots for the pass: any strides, the last dimension's 1).
+void rotate_into(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& query,
+                 torch::Tensor& key, torch::Tensor& value, int64_t heads, int64_t kv_heads) {
+  const int64_t B = qkv.size(0), T = qkv.size(1), D = qkv.size(3), half = D / 2, all = heads + 2 * kv_heads;
+  const auto* src = reinterpret_cast<const uint16_t*>(qkv.data_ptr<at::BFloat16>());
+  const auto* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>());
+  const auto* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>());
+  auto* qp = reinterpret_cast<uint16_t*>(query.data_ptr<at::BFloat16>());
+  auto* kp = reinterpret_cast<uint16_t*>(key.data_ptr<at::BFloat16>());
+  auto* vp = reinterpret_cast<uint16_t*>(value.data_ptr<at::BFloat16>());
+  const int64_t kb = key.stride(0), kh = key.stride(1), kt = key.stride(2);
+  const int64_t vb = value.stride(0), vh = value.stride(1), vt = value.stride(2);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      const uint16_t* row = src + (b * T + t) * all * D;
+      const uint16_t *c = cp + (b * T + t) * D, *s = sp + (b * T + t) * D;
+      for (int64_t h = 0; h < all; ++h) {
+        const uint16_t* x = row + h * D;
+        uint16_t* out = h < heads ? qp + ((b * T + t) * heads + h) * D
+                                  : (h < heads + kv_heads ? kp + b * kb + (h - heads) * kh + t * kt
+                                                          : vp + b * vb + (h - heads - kv_heads) * vh + t * vt);
+        if (h >= heads + kv_heads) {
+          std::memcpy(out, x, D * sizeof(uint16_t));
+          continue;
+        }
+        for (int64_t d = 0; d < D; ++d) {
+          const float a = round_bf16(widen(x[d]) * widen(c[d]));
+          const float r = round_bf16(widen(x[(d + half) % D]) * widen(s[d]));
+          out[d] = at::BFloat16(a + r).x;
+        }
+      }
+    }
+  }
+}
 
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
 #ifdef HEADSTART_AMX
@@ -47,14 +96,13 @@ std::vector<torch::Tensor> lean_layers(torch::Tensor x, const std::vector<torch:
     const int64_t* n = sizes.data() + 4 * index;
     torch::Tensor h = rms_norm_rows(x, w[4], eps[index]);
     const torch::Tensor qkv = product(h, w[0], n[0]).view({batch, rows, heads + 2 * kv_heads, dim});
-    torch::Tensor qk = qkv.slice(2, 0, heads + kv_heads);
-    qk = qk * cos + qk.roll({dim / 2}, {-1}) * sin;
-    const torch::Tensor query = qk.slice(2, 0, heads).transpose(1, 2);
-    const torch::Tensor key = qk.slice(2, heads).transpose(1, 2);
-    const torch::Tensor value = qkv.slice(2, heads + kv_heads).transpose(1, 2);
+    torch::Tensor query = torch::empty({batch, rows, heads, dim}, qkv.options());
     const torch::Tensor into = written[index], from = read[index];
-    into[0].copy_(key);
-    into[1].copy_(value);
+    torch::Tensor key = into[0], value = into[1];
+    TORCH_CHECK(key.stride(3) == 1 && value.stride(3) == 1 && cos.is_contiguous() && sin.is_contiguous(),
+                "expected cache slots with a contiguous last dimension and contiguous cos and sin");
+    rotate_into(qkv, cos, sin, query, key, value, heads, kv_heads);
+    query = query.transpose(1, 2);
     const torch::Tensor attended = decode_attention(query, from[0], from[1], mask, scale, c10::nullopt);
     x = x + product(attended.reshape({batch * rows, heads * dim}), w[1], n[1]);
     h = rms_norm_rows(x, w[5], eps[index]);
