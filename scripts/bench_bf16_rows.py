@@ -15,6 +15,13 @@ runtime picks among the packed products per weight shape and row count by timing
     git show HEAD~1:runtime/target/kernels/bf16_dot_rows.cpp > earlier_dot_rows.cpp
     python scripts/bench_bf16_rows.py --rows 1 8 16 --dot-baseline earlier_dot_rows.cpp
 
+    python scripts/bench_bf16_rows.py --rows 1 2 4 8 16 --argmax
+
+--argmax times a greedy pass's LM head on the default target's own LM head and final hidden states (a chat prompt's):
+the packed bf16 product and ``greedy_tokens`` against ``int8_argmax`` (an int8 copy and the rows it cannot rule out,
+on CPUs with AVX512-VNNI), each after the decoder layers' products have streamed through the caches as in a pass, and
+how many rows the int8 bound leaves.
+
 --dot-baseline, --packed-baseline (--rows-baseline) build another version of an AVX512-BF16 kernel's (the AVX2 row
 kernel's) source and times it beside the current one, alternating pass by pass in one process (the only fair
 comparison on a machine whose speed drifts), after checking whether both give the same outputs.
@@ -54,6 +61,8 @@ def main(argv=None) -> int:
                              "current one")
     parser.add_argument("--rows-baseline", metavar="SOURCE",
                         help="another version of runtime/target/kernels/bf16_rows.cpp to time beside the current one")
+    parser.add_argument("--argmax", action="store_true",
+                        help="time the greedy LM head: the bf16 product's argmax against the int8 candidates'")
     args = parser.parse_args(argv)
     kernel = bf16_rows_matmul()
     if kernel is None:
@@ -94,6 +103,8 @@ def main(argv=None) -> int:
                                            for w, p in zip(weights, onednn_weights)], args.repeats)
             line += f" {onednn_ms:.1f} | {stock / onednn_ms:.2f} |"
         print(line)
+    if args.argmax:
+        compare_argmax(packed, packed_weights[:-1], args.rows, args.repeats)  # every layer's weights, not the head
     if args.dot_baseline:
         if dot is None:
             raise SystemExit("--dot-baseline needs the AVX512-BF16 kernel, which this machine does not run")
@@ -108,6 +119,48 @@ def main(argv=None) -> int:
         compare_kernels(bf16_rows_linear(), args.rows_baseline, "bf16_rows_linear", ROW_KERNEL_FLAGS, weights,
                         args.rows, args.repeats)
     return 0
+
+
+def compare_argmax(product, layers: list[torch.Tensor], row_counts: list[int], repeats: int) -> None:
+    """Time the default target's greedy LM head both ways after each pass's layer products (``layers``, packed)."""
+    from runtime.engine.sampling import greedy_tokens
+    from runtime.target.kernels import INT8_ARGMAX_MAX_ROWS, Int8Rows, int8_argmax, int8_candidates
+    from runtime.target.model import load_target
+
+    if product is None or int8_candidates() is None:
+        raise SystemExit("--argmax needs the AVX512-BF16 packed kernel and AVX512-VNNI, which this machine lacks")
+    target = load_target(dtype="bfloat16")
+    head = target.model.get_output_embeddings().weight
+    packed_head, int8 = pack_bf16_weight(head), Int8Rows(head)
+    prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": "Explain how tides work, then write "
+                                                    "a short poem about the sea."}], add_generation_prompt=True)
+    ids = torch.tensor([prompt if isinstance(prompt, list) else prompt["input_ids"]])
+    cache = target.new_cache(1, ids.shape[1])
+    hidden = target.forward(ids, torch.arange(ids.shape[1])[None], cache, None).hidden[0]
+    inputs = {k: torch.randn(1, k).bfloat16() for k in {k for _, k in LAYER_SHAPES}}
+    ways = {"bf16 product + greedy_tokens": lambda x: greedy_tokens(product(x, packed_head, head.shape[0], None)),
+            "int8_argmax": lambda x: int8_argmax(x, head, int8, product, packed_head)}
+    print(f"\ngreedy LM head ({head.shape[0]} x {head.shape[1]}), int8 path up to {INT8_ARGMAX_MAX_ROWS} rows in "
+          f"the runtime\n| rows | bf16 ms | int8 ms | bf16 / int8 | rows the bound leaves (median, most) |\n"
+          f"|---:|---:|---:|---:|---:|")
+    for rows in row_counts:
+        if rows > INT8_ARGMAX_MAX_ROWS * 4:
+            continue
+        windows = [hidden[i:i + rows].contiguous() for i in range(0, hidden.shape[0] - rows + 1, rows)]
+        left = sorted(int8.candidates(x, head.shape[0]).numel() for x in windows)
+        times: dict[str, list[float]] = {name: [] for name in ways}
+        for repeat in range(repeats + 1):  # the first round warms up and is dropped
+            for name, way in ways.items():
+                x = windows[repeat % len(windows)]
+                assert torch.equal(ways["int8_argmax"](x), ways["bf16 product + greedy_tokens"](x))
+                for w in layers:  # the pass's other weights, through the caches (packed: [N / 32, K / 2, 32, 2])
+                    product(inputs[2 * w.shape[1]], w, 32 * w.shape[0], None)
+                started = time.perf_counter()
+                way(x)
+                if repeat:
+                    times[name].append(time.perf_counter() - started)
+        full, ours = (median_of_ms(values) for values in times.values())
+        print(f"| {rows} | {full:.2f} | {ours:.2f} | {full / ours:.2f} | {left[len(left) // 2]}, {left[-1]} |")
 
 
 def compare_kernels(current, source: str, function: str, flags: tuple[str, ...], weights: list[torch.Tensor],

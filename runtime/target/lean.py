@@ -29,8 +29,8 @@ from runtime.target import attention
 from runtime.target.attention import DECODE_KERNEL_HEAD_SIZES, DECODE_KERNEL_MAX_ROWS
 from runtime.target.decode_layers import LLAMA_FORMULA_NORMS, PackedWeights
 from runtime.engine.sampling import greedy_tokens
-from runtime.target.kernels import (Int8Rows, bf16_amx_linear, bf16_packed_linear, decode_attention, int8_argmax,
-                                    int8_candidates, lean_layers, rms_norm_rows)
+from runtime.target.kernels import (INT8_ARGMAX_MAX_ROWS, Int8Rows, bf16_amx_linear, bf16_packed_linear,
+                                    decode_attention, int8_argmax, int8_candidates, lean_layers, rms_norm_rows)
 
 LEAN_FAMILIES = ("llama",)
 
@@ -117,14 +117,15 @@ class LeanLlama:
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> [...] long: the greedy token of each row, ``greedy_tokens(self.logits(hidden))``
         computed from the LM head's int8 copy and the few bf16 rows it cannot rule out where the CPU has
-        AVX512-VNNI (``runtime.target.kernels.int8_argmax``), else from the logits."""
-        if int8_candidates() is None or hidden.numel() == 0:
+        AVX512-VNNI and the pass has at most INT8_ARGMAX_MAX_ROWS rows (``runtime.target.kernels.int8_argmax``),
+        else from the logits."""
+        rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        if int8_candidates() is None or not 1 <= rows.shape[0] <= INT8_ARGMAX_MAX_ROWS:
             return greedy_tokens(self.logits(hidden))
         if self.lm_head_packed is None:
             self.lm_head_packed = (self.pack(self.lm_head), self.lm_head.shape[0])
         if self.lm_head_int8 is None:
             self.lm_head_int8 = Int8Rows(self.lm_head)
-        rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
         tokens = int8_argmax(rows, self.lm_head, self.lm_head_int8, self.linear, self.lm_head_packed[0])
         return tokens.reshape(hidden.shape[:-1])
 

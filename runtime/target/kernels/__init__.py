@@ -320,7 +320,10 @@ class Int8Rows:
         return found if found.numel() else None
 
 
-INT8_ARGMAX_MAX_ROWS = 16
+# Rows up to which the int8 candidates cost less than the bf16 product: each row is two int8 rows of integer dot
+# products, which bind on the instruction beyond a few rows while the product stays bound on reading the weights
+# (scripts/bench_bf16_rows.py --argmax times both).
+INT8_ARGMAX_MAX_ROWS = 2
 
 
 def int8_argmax(x: torch.Tensor, weight: torch.Tensor, int8: Int8Rows, linear: Callable[..., torch.Tensor],

@@ -3,9 +3,10 @@
 //
 // Greedy decoding needs only the first index of each row's largest logit, and on a CPU the vocabulary projection
 // reads a quarter of a small model's weights per pass. Here each output is estimated from int8 weights (one scale
-// per weight row) and int8 inputs (one scale per input row) with AVX512-VNNI's exact integer dot products, and given
+// per weight row) and each input row as two int8 rows (its rounding and the residual's, a scale each) with
+// AVX512-VNNI's exact integer dot products, and given
 // a bound on its distance from what the bf16 kernels compute (their fp32 sum of the exact bf16 products):
-//   |sum - estimate| <= |x| (|w - s q| + gamma_K |w|) + s |q| |x - s_x x_q| + rounding of the estimate
+//   |sum - estimate| <= |x| (|w - s q| + gamma_K |w|) + s |q| |x - s_x x_q - s_r r_q| + rounding of the estimate
 // (Cauchy-Schwarz on the weight's and the input's quantisation errors; gamma_K bounds any order of K fp32 additions).
 // A row whose upper bound, rounded to bf16, falls below the largest lower bound rounded to bf16 cannot be the argmax
 // (rounding to bf16 is monotone), so the argmax is among the rest; runtime.target.kernels.int8_argmax computes their
@@ -28,6 +29,7 @@ namespace {
 
 constexpr int64_t kCols = 16;     // weight rows per packed block: one int32 lane each
 constexpr int64_t kMaxRows = 16;  // input rows per call
+constexpr int64_t kMaxDots = 2 * kMaxRows;  // each input row goes as two int8 rows: its rounding and the residual
 
 inline float widen(uint16_t bits) {
   uint32_t wide = static_cast<uint32_t>(bits) << 16;
@@ -82,12 +84,12 @@ void block_dots(const int8_t* block, int64_t quads, const uint8_t* xq, __m512i* 
 
 using BlockDots = void (*)(const int8_t*, int64_t, const uint8_t*, __m512i*);
 
-// rows 1 to 16: four chains for one row, two for two to four rows, one beyond
+// 1 to 32 int8 rows: four chains for up to two rows, two for up to eight, one beyond
 template <int... ROWS>
-constexpr std::array<BlockDots, kMaxRows + 1> dots_table(std::integer_sequence<int, ROWS...>) {
-  return {nullptr, block_dots<ROWS + 1, (ROWS == 0 ? 4 : ROWS < 4 ? 2 : 1)>...};
+constexpr std::array<BlockDots, kMaxDots + 1> dots_table(std::integer_sequence<int, ROWS...>) {
+  return {nullptr, block_dots<ROWS + 1, (ROWS < 2 ? 4 : ROWS < 8 ? 2 : 1)>...};
 }
-constexpr auto kDots = dots_table(std::make_integer_sequence<int, kMaxRows>{});
+constexpr auto kDots = dots_table(std::make_integer_sequence<int, kMaxDots>{});
 
 }  // namespace
 
@@ -114,10 +116,14 @@ torch::Tensor int8_candidates(const torch::Tensor& x, const torch::Tensor& packe
                   c1.scalar_type() == torch::kFloat32 && c2.scalar_type() == torch::kFloat32,
               "expected int32 sums and fp32 scales and bounds");
   const auto none = torch::empty({0}, torch::kLong);
-  // each input row as offset unsigned int8 (x_q + 128), its scale, |x| and |x - s_x x_q|, all rounded up
-  std::vector<uint8_t> xq(M * quads * 4, 128);
-  std::vector<float> x_scale(M), x_norm(M), x_error(M);
+  // each input row as two offset unsigned int8 rows (x_q + 128: the row rounded at scale s_x, then what that leaves
+  // rounded at scale s_r), the scales, |x| and |x - s_x x_q - s_r r_q|, the norms rounded up. The second row makes the
+  // input's share of the bound (s |q| |x - ...|) about a hundred times smaller than one int8 row would: with the
+  // outlier features of a normed hidden state, one row's rounding would dominate the bound.
+  std::vector<uint8_t> xq(2 * M * quads * 4, 128);
+  std::vector<float> x_scale(M), r_scale(M), x_norm(M), x_error(M);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  std::vector<double> residual(K);
   for (int64_t m = 0; m < M; ++m) {
     double largest = 0.0, norm = 0.0;
     for (int64_t k = 0; k < K; ++k) {
@@ -128,14 +134,26 @@ torch::Tensor int8_candidates(const torch::Tensor& x, const torch::Tensor& packe
     }
     if (largest == 0.0) return none;
     const float s = static_cast<float>(largest / 127.0);
-    double error = 0.0;
+    uint8_t* first = xq.data() + 2 * m * quads * 4;
+    uint8_t* second = first + quads * 4;
+    double left = 0.0;
     for (int64_t k = 0; k < K; ++k) {
       const double v = widen(xp[m * K + k]);
       const double q = std::max(-127.0, std::min(127.0, std::nearbyint(v / s)));
-      xq[m * quads * 4 + k] = static_cast<uint8_t>(static_cast<int>(q) + 128);
-      error += (v - static_cast<double>(s) * q) * (v - static_cast<double>(s) * q);
+      first[k] = static_cast<uint8_t>(static_cast<int>(q) + 128);
+      residual[k] = v - static_cast<double>(s) * q;
+      left = std::max(left, std::abs(residual[k]));
+    }
+    const float r = static_cast<float>(left / 127.0);
+    double error = 0.0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double q = r > 0 ? std::max(-127.0, std::min(127.0, std::nearbyint(residual[k] / r))) : 0.0;
+      second[k] = static_cast<uint8_t>(static_cast<int>(q) + 128);
+      const double e = residual[k] - static_cast<double>(r) * q;
+      error += e * e;
     }
     x_scale[m] = s;
+    r_scale[m] = r;
     x_norm[m] = static_cast<float>(std::sqrt(norm) * (1.0 + 1e-6));
     x_error[m] = static_cast<float>(std::sqrt(error) * (1.0 + 1e-6));
   }
@@ -147,11 +165,11 @@ torch::Tensor int8_candidates(const torch::Tensor& x, const torch::Tensor& packe
   const int32_t* sp = sums.data_ptr<int32_t>();
   const float *scp = scale.data_ptr<float>(), *c1p = c1.data_ptr<float>(), *c2p = c2.data_ptr<float>();
   constexpr float kUnit = 5.9604645e-08f;  // 2^-24
-  const BlockDots dots_of = kDots[M];
+  const BlockDots dots_of = kDots[2 * M];
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     __m512 low[kMaxRows];
     for (int64_t m = 0; m < M; ++m) low[m] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    __m512i dots[kMaxRows];
+    __m512i dots[kMaxDots];
     for (int64_t b = begin; b < end; ++b) {
       dots_of(wp + b * quads * 4 * kCols, quads, xq.data(), dots);
       const int64_t first = b * kCols;
@@ -160,11 +178,16 @@ torch::Tensor int8_candidates(const torch::Tensor& x, const torch::Tensor& packe
       const __m512 b1 = _mm512_loadu_ps(c1p + first), b2 = _mm512_loadu_ps(c2p + first);
       const __mmask16 keep = (__mmask16)((1u << std::min(kCols, N - first)) - 1);
       for (int64_t m = 0; m < M; ++m) {
-        // the exact integer dot product of q and x_q (exact in fp32 up to K = 1040; beyond, the 8u term covers it)
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(dots[m], offset));
-        const __m512 estimate = _mm512_mul_ps(_mm512_mul_ps(dot, s), _mm512_set1_ps(x_scale[m]));
+        // the exact integer dot products of q with both int8 rows (exact in fp32 up to K = 1040; beyond, and for
+        // the estimate's own roundings, the 8u term covers it)
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(dots[2 * m], offset));
+        const __m512 rest = _mm512_cvtepi32_ps(_mm512_sub_epi32(dots[2 * m + 1], offset));
+        const __m512 main_part = _mm512_mul_ps(_mm512_mul_ps(dot, s), _mm512_set1_ps(x_scale[m]));
+        const __m512 rest_part = _mm512_mul_ps(_mm512_mul_ps(rest, s), _mm512_set1_ps(r_scale[m]));
+        const __m512 estimate = _mm512_add_ps(main_part, rest_part);
         __m512 bound = _mm512_fmadd_ps(b1, _mm512_set1_ps(x_norm[m]), _mm512_mul_ps(b2, _mm512_set1_ps(x_error[m])));
-        bound = _mm512_fmadd_ps(_mm512_abs_ps(estimate), _mm512_set1_ps(8 * kUnit), bound);
+        bound = _mm512_fmadd_ps(_mm512_add_ps(_mm512_abs_ps(main_part), _mm512_abs_ps(rest_part)),
+                                _mm512_set1_ps(8 * kUnit), bound);
         bound = _mm512_add_ps(_mm512_mul_ps(bound, _mm512_set1_ps(1.0f + 1.0f / 1024)), _mm512_set1_ps(1e-30f));
         _mm512_storeu_ps(upper.data() + m * padded + first, _mm512_add_ps(estimate, bound));
         low[m] = _mm512_mask_max_ps(low[m], keep, low[m], _mm512_sub_ps(estimate, bound));
