@@ -6,11 +6,13 @@
 
 The eager rows are the runtime's own pass (Target.forward with its KV cache), with the decode layers
 (runtime.target.decode_layers: decode_linear, the decode norms) and with the stock layers; both attend through the
-runtime's backend (in bf16 on CPU the decode attention kernel); ratios are to the runtime's T = 1. The compiled rows run
-the stock model (its own attention and layers, as outside the runtime's passes) through torch.compile with static
-shapes: a cache that writes into a fixed buffer with ``index_copy_`` and a mask over the whole buffer
-(``runtime.target.static_pass.SlotCache``), so no Python int changes between steps (the runtime's cache keeps one, which
-makes dynamo recompile or fall back). ``--fixed-shapes`` adds the runtime's fixed-shape passes (CUDA graphs with
+runtime's backend (in bf16 on CPU the decode attention kernel); ratios are to the runtime's T = 1. Where the lean pass
+runs (runtime.target.lean), "eager, greedy" is the pass greedy decoding asks for (only the argmax: the int8 LM head up
+to two rows) and "eager, lean layers from Python" the lean pass with its compiled layer stack turned off. The compiled
+rows run the stock model (its own attention and layers, as outside the runtime's passes) through torch.compile with
+static shapes: a cache that writes into a fixed buffer with ``index_copy_`` and a mask over the whole buffer
+(``runtime.target.static_pass.SlotCache``), so no Python int changes between steps (the runtime's cache keeps one,
+which makes dynamo recompile or fall back). ``--fixed-shapes`` adds the runtime's fixed-shape passes (CUDA graphs with
 ``--device cuda``; on a CPU their eager twin). The profile splits the T = 1 pass into matrix products and the rest and
 converts the matrix-product time into the bandwidth at which the weights were read; the roofline line sets the T = 1
 pass against the time this machine takes just to read the weights once (``runtime.target.machine.read_bandwidth``), the
@@ -34,7 +36,7 @@ from runtime.target.static_pass import SlotCache, write_index
 
 
 @torch.inference_mode()
-def eager_times(target, context: int, size: int, repeats: int) -> list[float]:
+def eager_times(target, context: int, size: int, repeats: int, argmax: bool = False) -> list[float]:
     device = target.device
     cache = target.new_cache(1, context + max(size, 64) + 1)
     prompt = torch.randint(0, target.vocab_size, (1, context), device=device)
@@ -45,7 +47,7 @@ def eager_times(target, context: int, size: int, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats + 2):  # the first two: a fixed-shape target captures its pass there
         started = time.perf_counter()
-        target.forward(tree.tokens[None], tree.position_ids(context)[None], cache, mask)
+        target.forward(tree.tokens[None], tree.position_ids(context)[None], cache, mask, argmax=argmax)
         times.append(synchronized_seconds(device, started))
     return times[2:]
 
@@ -111,15 +113,22 @@ def main(argv=None) -> int:
     stock = target_from_model(target.model, target.tokenizer, target.identity, decode_kernels=False)
     print(f"threads {torch.get_num_threads()}, context {args.context}, {args.dtype}\n")
     print("| pass | T | median ms | min ms | vs eager T=1 | compile s |\n|---|---:|---:|---:|---:|---:|")
-    passes = {"eager, stock layers": stock, "eager": target}
+    # (target, whether the pass computes only the argmax, as greedy decoding asks)
+    passes = {"eager, stock layers": (stock, False), "eager": (target, False), "eager, greedy": (target, True)}
+    if target._lean is not None and target._lean.stack is not None:
+        # the lean pass with its layers called from Python, as before the compiled stack
+        loop = target_from_model(target.model, target.tokenizer, target.identity)
+        loop._lean.stack = None
+        passes["eager, lean layers from Python"] = (loop, False)
     if args.fixed_shapes:
         graphs = "CUDA graphs" if target.device.type == "cuda" else "eager twin"
-        passes[f"fixed shapes ({graphs})"] = target_from_model(target.model, target.tokenizer, target.identity,
-                                                               fixed_shapes=True)
+        passes[f"fixed shapes ({graphs})"] = (target_from_model(target.model, target.tokenizer, target.identity,
+                                                                fixed_shapes=True), False)
     eager = {(label, size): [] for label in passes for size in args.sizes}
     for _ in range(3):  # interleaved rounds, so that a slow spell of the machine hits all alike
         for (label, size), times in eager.items():
-            times += eager_times(passes[label], args.context, size, args.repeats)
+            model, greedy = passes[label]
+            times += eager_times(model, args.context, size, args.repeats, greedy)
     base = median_of_ms(eager[("eager", args.sizes[0])])
     for (label, size), times in eager.items():
         print(f"| {label} | {size} | {median_of_ms(times):.1f} | {min(times) * 1000:.1f} | "
