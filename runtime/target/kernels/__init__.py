@@ -327,14 +327,14 @@ INT8_ARGMAX_MAX_ROWS = 2
 
 
 def int8_argmax(x: torch.Tensor, weight: torch.Tensor, int8: Int8Rows, linear: Callable[..., torch.Tensor],
-                packed: torch.Tensor, cap: int = 4096) -> torch.Tensor:
+                packed: torch.Tensor, cap: int = 4096, max_rows: int = INT8_ARGMAX_MAX_ROWS) -> torch.Tensor:
     """x [M, K] bf16, weight [N, K] bf16 -> [M] long: the first index of each row's largest output of
     ``linear(x, packed, N, None)`` (``packed``: ``pack_bf16_weight(weight)`` for one of the block kernels), computing
     only the outputs ``int8`` cannot rule out, with the same kernel: each output depends on its own weight row alone,
     so they are the full product's values, and every output ruled out is smaller than one of them. Falls back to the
-    full product where the bound rules out too little (over ``cap`` candidates) or x has more than
-    INT8_ARGMAX_MAX_ROWS rows."""
-    found = int8.candidates(x, cap) if 1 <= x.shape[0] <= INT8_ARGMAX_MAX_ROWS else None
+    full product where the bound rules out too little (over ``cap`` candidates) or x has more than ``max_rows`` rows
+    (at most 16)."""
+    found = int8.candidates(x, cap) if 1 <= x.shape[0] <= min(max_rows, 16) else None
     if found is None:
         return linear(x, packed, weight.shape[0], None).argmax(-1)
     rows = _int8_module().gather_packed(weight.contiguous(), found)  # pack_bf16_weight(weight[found])
