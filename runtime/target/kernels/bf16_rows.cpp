@@ -5,6 +5,9 @@
 // Here each weight row is widened to fp32 in registers and multiplied with all M input rows while it is in cache:
 // the pass reads the weights once, like a one-row product. Accumulation is fp32, as in PyTorch's own bf16 kernels.
 #include <torch/extension.h>
+
+#include "bf16_bits.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -22,13 +25,6 @@ constexpr int64_t kRowBlock = 8;  // input rows sharing one pass over a weight r
 // prefetched into L2, not L1: 16 KB ahead in a 32-48 KB L1 evicted the rows and weights in use, and a 2-row call ran
 // about 1.4x slower for it (scripts/bench_bf16_rows.py); from L2 a line reaches L1 in time.
 constexpr int64_t kPrefetchAhead = 8192;
-
-inline float widen(uint16_t bits) {
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof(value));
-  return value;
-}
 
 inline float horizontal_sum(__m256 v) {
   __m128 low = _mm256_castps256_ps128(v);

@@ -13,6 +13,9 @@
 // outputs exactly with the same bf16 kernel and takes the first largest.
 // Built only on CPUs that report AVX512-BF16 and AVX512-VNNI (runtime.target.kernels).
 #include <torch/extension.h>
+
+#include "bf16_bits.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -30,13 +33,6 @@ namespace {
 constexpr int64_t kCols = 16;     // weight rows per packed block: one int32 lane each
 constexpr int64_t kMaxRows = 16;  // input rows per call
 constexpr int64_t kMaxDots = 2 * kMaxRows;  // each input row goes as two int8 rows: its rounding and the residual
-
-inline float widen(uint16_t bits) {
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof(value));
-  return value;
-}
 
 // The largest bf16 value (as fp32) strictly below the rounding of `value` to bf16 (to nearest even): a value at or
 // below it rounds to less than `value` does.

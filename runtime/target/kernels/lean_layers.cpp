@@ -6,6 +6,8 @@
 // Built with the kernels' sources into one module; with HEADSTART_AMX the products are the AMX tile kernel's.
 #include <torch/extension.h>
 
+#include "bf16_bits.h"
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -13,15 +15,6 @@
 #include "kernels.h"
 
 namespace {
-
-inline float widen(uint16_t bits) {
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof(value));
-  return value;
-}
-
-inline float round_bf16(float value) { return widen(at::BFloat16(value).x); }
 
 // Rotary on the query and key heads of qkv [B, T, Hq + 2 Hkv, D] (bf16, contiguous) with cos, sin [B, T, 1, D] (sin's
 // first half negated): each value bf16(bf16(x cos) + bf16(roll(x, D / 2) sin)), as the three bf16 ATen ops of

@@ -5,24 +5,14 @@
 // The module's forward is eight PyTorch calls with a fixed cost each (scripts/bench_decode_ops.py), and a decode
 // pass runs two per layer. This is one call.
 #include <torch/extension.h>
+
+#include "bf16_bits.h"
+
 #include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-
-namespace {
-
-inline float widen(uint16_t bits) {
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof(value));
-  return value;
-}
-
-inline float round_bf16(float value) { return widen(at::BFloat16(value).x); }
-
-}  // namespace
 
 // x [..., H] bf16 (contiguous), weight [H] bf16 -> [..., H] bf16
 torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
