@@ -107,12 +107,16 @@ class LeanLlama:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] through the packed LM head."""
-        if self.lm_head_packed is None:
-            self.lm_head_packed = (self.pack(self.lm_head), self.lm_head.shape[0])
         rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
         if rows.shape[0] == 0:  # a prefill that wants no logits here
             return hidden.new_zeros(*hidden.shape[:-1], self.lm_head.shape[0])
-        return self.linear(rows, *self.lm_head_packed, None).reshape(*hidden.shape[:-1], -1)
+        return self.linear(rows, self._packed_head(), self.lm_head.shape[0], None).reshape(*hidden.shape[:-1], -1)
+
+    def _packed_head(self) -> torch.Tensor:
+        """The LM head's packed copy, made on first use."""
+        if self.lm_head_packed is None:
+            self.lm_head_packed = self.pack(self.lm_head)
+        return self.lm_head_packed
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> [...] long: the greedy token of each row, ``greedy_tokens(self.logits(hidden))``
@@ -122,11 +126,9 @@ class LeanLlama:
         rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
         if int8_candidates() is None or not 1 <= rows.shape[0] <= INT8_ARGMAX_MAX_ROWS:
             return greedy_tokens(self.logits(hidden))
-        if self.lm_head_packed is None:
-            self.lm_head_packed = (self.pack(self.lm_head), self.lm_head.shape[0])
         if self.lm_head_int8 is None:
             self.lm_head_int8 = Int8Rows(self.lm_head)
-        tokens = int8_argmax(rows, self.lm_head, self.lm_head_int8, self.linear, self.lm_head_packed[0])
+        tokens = int8_argmax(rows, self.lm_head, self.lm_head_int8, self.linear, self._packed_head())
         return tokens.reshape(hidden.shape[:-1])
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache, attention_mask,
@@ -148,10 +150,10 @@ class LeanLlama:
         kernel = attention.decode_attention()
         # the compiled stack attends with its own build of the kernel: where the choice is another, the loop runs it
         if views is not None and self.stack is not None and kernel is decode_attention():
+            order = sorted(wanted)
             x, *inputs = self.stack(x, *self._stack_weights(), cos, sin, views[0], views[1], attention_mask, batch,
-                                    rows, self.heads, self.kv_heads, self.intermediate, self.scale,
-                                    sorted(wanted))
-            kept = dict(zip(sorted(wanted), inputs))
+                                    rows, self.heads, self.kv_heads, self.intermediate, self.scale, order)
+            kept = dict(zip(order, inputs))
             hidden = self.norm(x, self.final_norm.weight, float(self.final_norm.variance_epsilon))
             return hidden.reshape(batch, rows, -1), tuple(kept[i] for i in hidden_layers)
         for index, layer in enumerate(self.layers):
