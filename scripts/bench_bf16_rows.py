@@ -22,6 +22,9 @@ the packed bf16 product and ``greedy_tokens`` against ``int8_argmax`` (an int8 c
 on CPUs with AVX512-VNNI), each after the decoder layers' products have streamed through the caches as in a pass, and
 how many rows the int8 bound leaves.
 
+--pages times the packed kernel over its copies on ordinary 4 KB pages against the same copies on 2 MB pages
+(runtime.target.host_memory, where the runtime keeps them), alternating pass by pass.
+
 --dot-baseline, --packed-baseline (--rows-baseline) build another version of an AVX512-BF16 kernel's (the AVX2 row
 kernel's) source and times it beside the current one, alternating pass by pass in one process (the only fair
 comparison on a machine whose speed drifts), after checking whether both give the same outputs.
@@ -61,6 +64,9 @@ def main(argv=None) -> int:
                              "current one")
     parser.add_argument("--rows-baseline", metavar="SOURCE",
                         help="another version of runtime/target/kernels/bf16_rows.cpp to time beside the current one")
+    parser.add_argument("--pages", action="store_true",
+                        help="time the packed kernel over copies on ordinary pages against copies on huge pages "
+                             "(runtime.target.host_memory), alternating pass by pass")
     parser.add_argument("--argmax", action="store_true",
                         help="time the greedy LM head: the bf16 product's argmax against the int8 candidates'")
     args = parser.parse_args(argv)
@@ -103,6 +109,10 @@ def main(argv=None) -> int:
                                            for w, p in zip(weights, onednn_weights)], args.repeats)
             line += f" {onednn_ms:.1f} | {stock / onednn_ms:.2f} |"
         print(line)
+    if args.pages:
+        if packed is None:
+            raise SystemExit("--pages needs the AVX512-BF16 packed kernel, which this machine does not run")
+        compare_pages(packed, weights, packed_weights, args.rows, args.repeats)
     if args.argmax:
         compare_argmax(packed, packed_weights[:-1], args.rows, args.repeats)  # every layer's weights, not the head
     if args.dot_baseline:
@@ -119,6 +129,31 @@ def main(argv=None) -> int:
         compare_kernels(bf16_rows_linear(), args.rows_baseline, "bf16_rows_linear", ROW_KERNEL_FLAGS, weights,
                         args.rows, args.repeats)
     return 0
+
+
+def compare_pages(product, weights: list[torch.Tensor], packed_weights: list[torch.Tensor], row_counts: list[int],
+                  repeats: int) -> None:
+    """Time ``product`` over ``packed_weights`` (PyTorch's allocator: ordinary pages) against the same copies in a
+    ``HugePageArena``, alternating whole passes so that the machine's drift hits both alike."""
+    from runtime.target.host_memory import HugePageArena, transparent_huge_pages
+
+    arena = HugePageArena()
+    huge = [arena.copy(w) for w in packed_weights]
+    print(f"\npacked kernel by page size (transparent huge pages: {transparent_huge_pages()}; huge pages requested: "
+          f"{arena.enabled})\n| rows | ordinary pages ms | huge pages ms | ordinary / huge |\n|---:|---:|---:|---:|")
+    for rows in row_counts:
+        inputs = {k: torch.randn(rows, k).bfloat16() for k in {w.shape[1] for w in weights}}
+        times: dict[str, list[float]] = {"ordinary": [], "huge": []}
+        for repeat in range(repeats + 1):  # the first round warms up and is dropped
+            order = (("ordinary", packed_weights), ("huge", huge))
+            for label, copies in order if repeat % 2 else order[::-1]:
+                started = time.perf_counter()
+                for w, p in zip(weights, copies):
+                    product(inputs[w.shape[1]], p, w.shape[0], None)
+                if repeat:
+                    times[label].append(time.perf_counter() - started)
+        ordinary, on_huge = (median_of_ms(times[label]) for label in ("ordinary", "huge"))
+        print(f"| {rows} | {ordinary:.1f} | {on_huge:.1f} | {ordinary / on_huge:.2f} |")
 
 
 def compare_argmax(product, layers: list[torch.Tensor], row_counts: list[int], repeats: int) -> None:

@@ -8,8 +8,9 @@ The eager rows are the runtime's own pass (Target.forward with its KV cache), wi
 (runtime.target.decode_layers: decode_linear, the decode norms) and with the stock layers; both attend through the
 runtime's backend (in bf16 on CPU the decode attention kernel); ratios are to the runtime's T = 1. Where the lean pass
 runs (runtime.target.lean), "eager, greedy" is the pass greedy decoding asks for (only the argmax: the int8 LM head up
-to two rows) and "eager, lean layers from Python" the lean pass with its compiled layer stack turned off. The compiled
-rows run the stock model (its own attention and layers, as outside the runtime's passes) through torch.compile with
+to two rows), "eager, lean layers from Python" the lean pass with its compiled layer stack turned off and "eager,
+ordinary pages" the lean pass with its weight copies on ordinary pages, not huge pages (runtime.target.host_memory).
+The compiled rows run the stock model (its own attention and layers, as outside the runtime's passes) through torch.compile with
 static shapes: a cache that writes into a fixed buffer with ``index_copy_`` and a mask over the whole buffer
 (``runtime.target.static_pass.SlotCache``), so no Python int changes between steps (the runtime's cache keeps one,
 which makes dynamo recompile or fall back). ``--fixed-shapes`` adds the runtime's fixed-shape passes (CUDA graphs with
@@ -120,6 +121,10 @@ def main(argv=None) -> int:
         loop = target_from_model(target.model, target.tokenizer, target.identity)
         loop._lean.stack = None
         passes["eager, lean layers from Python"] = (loop, False)
+        # the lean pass's weight copies on ordinary pages, as before they went to huge pages
+        ordinary = target_from_model(target.model, target.tokenizer, target.identity)
+        ordinary._lean.arena.enabled = False
+        passes["eager, ordinary pages"] = (ordinary, False)
     if args.fixed_shapes:
         graphs = "CUDA graphs" if target.device.type == "cuda" else "eager twin"
         passes[f"fixed shapes ({graphs})"] = (target_from_model(target.model, target.tokenizer, target.identity,

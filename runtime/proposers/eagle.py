@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.target.attention import tree_attention_for
+from runtime.target.attention import DECODE_KERNEL_MAX_ROWS, tree_attention_for
 from runtime.engine.kv_cache import KVCache
 from runtime.proposers.base import Proposer, ProposeInput
 from runtime.proposers.dynamic import Frontier, build_dynamic_tree, build_dynamic_trees, expand_dynamic_tree
+from runtime.proposers.lean_head import LeanEagle3
 from runtime.engine.ragged import RaggedRows
 from runtime.engine.sampling import SamplingParams
 from runtime.engine.tree import Tree
@@ -49,6 +50,19 @@ class EagleProposer(Proposer):
         self.hidden_layers = tuple(head.feature_layers)
         self.expected_acceptance = expected_acceptance
         self.token_map = head.draft_to_target
+        # where the target's lean pass runs, an EAGLE-3 head drafts through it (runtime.proposers.lean_head)
+        lean = getattr(target, "lean", None)
+        self.lean = LeanEagle3(head, lean) if LeanEagle3.supports(head, lean) else None
+
+    def _hidden_states(self, tokens, features, positions, mask, cache) -> torch.Tensor:
+        """The head's ``hidden_states`` over rows of equal counts: through the lean layer up to the decode kernels'
+        rows, else (a prompt's rows) through the head's modules."""
+        if self.lean is not None and tokens.shape[1] <= DECODE_KERNEL_MAX_ROWS:
+            return self.lean.hidden_states(tokens, features, positions, mask, cache)
+        return self.head.hidden_states(tokens, features, positions, mask, cache)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (self.lean or self.head).logits(hidden)
 
     @classmethod
     def from_head(cls, head, target, tree: dict, tree_size: int | None) -> EagleProposer:
@@ -75,12 +89,12 @@ class EagleProposer(Proposer):
     def _read_verified_rows(self, state: EagleState, step: ProposeInput) -> torch.Tensor:
         """Run the head over the rows verified since it last drafted and keep them in its cache. Returns the
         head's output for the newest row [H]."""
-        history, cache, head = step.history, state.cache, self.head
+        history, cache = step.history, state.cache
         done, count, features = self._new_rows(state, step)
         tokens = history[done + 1: done + 1 + count]
         positions = torch.arange(done, done + count, device=history.device)
-        hidden = head.hidden_states(tokens[None], features[None], positions[None],
-                                    causal_rows_mask(done, count, history.device), cache)
+        hidden = self._hidden_states(tokens[None], features[None], positions[None],
+                                     causal_rows_mask(done, count, history.device), cache)
         cache.commit(count)
         return hidden[0, -1]
 
@@ -127,7 +141,7 @@ class EagleProposer(Proposer):
                             for (done, count, _), step in zip(rows, steps)]).view(shape)
         features = torch.cat([feature for _, _, feature in rows]).view(*shape, -1)
         if ragged is None:
-            hidden = head.hidden_states(tokens, features, positions.view(shape), mask, batched)
+            hidden = self._hidden_states(tokens, features, positions.view(shape), mask, batched)
         else:  # the packed rows need the tree attention, which takes them
             with tree_attention_for(head), batched.packed(ragged):
                 hidden = head.hidden_states(tokens, features, positions.view(shape), mask, batched, ragged=ragged)
@@ -144,7 +158,7 @@ class EagleProposer(Proposer):
         root_hidden = self._read_verified_rows(state, step)  # only the newest row drafts: one row through the LM head
         if min(self.depth, step.tree_size - 1) <= 0:
             return Tree.chain(int(step.history[-1]), [], device=step.history.device)
-        return self._expand(state, step, root_hidden, self.head.logits(root_hidden))
+        return self._expand(state, step, root_hidden, self._logits(root_hidden))
 
     @torch.inference_mode()
     def propose_rows(self, states: list[EagleState], steps: list[ProposeInput]) -> list[Tree]:
@@ -160,7 +174,7 @@ class EagleProposer(Proposer):
         growing = [b for b, depth in enumerate(depths) if depth > 0]
         if not growing:
             return trees
-        logits = self.head.logits(root_hidden[growing])
+        logits = self._logits(root_hidden[growing])
         contexts = cache.lengths.tolist()
         expansions = [expand_dynamic_tree(int(steps[b].history[-1]), torch.log_softmax(row_logits.float(), dim=-1),
                                           contexts[b], depths[b], self.top_k, steps[b].tree_size, self.token_map)
@@ -180,7 +194,7 @@ class EagleProposer(Proposer):
         ``frontiers[i]``; the other rows, and each row past its frontier, forward padding that sees only its own
         slot and is not kept. root_hidden [B, H]; node_hidden [B, nodes, H] the head outputs of forwarded nodes,
         filled in here. Returns the children's log-probabilities [F_i, V'] of each frontier."""
-        head, device = self.head, root_hidden.device
+        device = root_hidden.device
         batch, width = root_hidden.shape[0], max(frontier.tokens.numel() for frontier in frontiers)
         slots = cache.lengths[:, None] + torch.arange(width, device=device)[None, :]  # [B, width]
         tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
@@ -198,20 +212,20 @@ class EagleProposer(Proposer):
             mask[b, 0, :count] = False
             mask[b, 0, :count, :frontier.mask.shape[1]] = frontier.mask
             counts[b] = count
-        hidden = head.hidden_states(tokens, parent_hidden, positions, mask, cache)
+        hidden = self._hidden_states(tokens, parent_hidden, positions, mask, cache)
         cache.commit(counts)
         outputs = []
         for b, frontier in zip(rows, frontiers):
             outputs.append(hidden[b, :frontier.tokens.numel()])
             node_hidden[b, frontier.node_ids] = outputs[-1]
-        logprobs = torch.log_softmax(head.logits(torch.cat(outputs)).float(), dim=-1)
+        logprobs = torch.log_softmax(self._logits(torch.cat(outputs)).float(), dim=-1)
         return list(logprobs.split([output.shape[0] for output in outputs]))
 
     def _expand(self, state: EagleState, step: ProposeInput, root_hidden: torch.Tensor,
                 root_logits: torch.Tensor) -> Tree:
         """The dynamic tree from the root's head output [H] and logits [V'] (the head's cache holds the verified
         rows)."""
-        history, cache, head = step.history, state.cache, self.head
+        history, cache = step.history, state.cache
         context = history.numel()
         depth = min(self.depth, step.tree_size - 1)
         root = int(history[-1])
@@ -221,8 +235,9 @@ class EagleProposer(Proposer):
         def forward_frontier(node_ids, node_tokens, parents, node_positions, mask):
             parent_hidden = torch.where(parents[:, None] >= 0, state.node_hidden[parents.clamp_min(0)],
                                         root_hidden[None, :])
-            out_hidden, out_logits = head(node_tokens[None], parent_hidden[None], node_positions[None],
-                                          mask[None, None], cache)
+            out_hidden = self._hidden_states(node_tokens[None], parent_hidden[None], node_positions[None],
+                                             mask[None, None], cache)
+            out_logits = self._logits(out_hidden)
             cache.commit(node_tokens.numel())
             state.node_hidden[node_ids] = out_hidden[0]
             return torch.log_softmax(out_logits[0].float(), dim=-1)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from heads.common import FrozenProjection
+from runtime.target.host_memory import HugePageArena
 from runtime.target.kernels import (bf16_amx_linear, bf16_dot_linear, bf16_packed_linear, bf16_rows_linear,
                                     native_bf16_matmul, onednn_bf16_linear, pack_bf16_weight, pack_onednn_weight,
                                     rms_norm_rows)
@@ -84,6 +85,8 @@ class PackedWeights:
         self.dtype = torch.float32 if self.plan.form == "weight_major" else torch.bfloat16
         self._pack = {"onednn": pack_onednn_weight, "weight_major": lambda weight: weight}.get(self.plan.form,
                                                                                               pack_bf16_weight)
+        # the block-packed copies are read in full by every pass: on huge pages (runtime.target.host_memory)
+        self.arena = HugePageArena(enabled=self._pack is pack_bf16_weight)
         self._copies: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
         # the plan's answer for each (weight shape, rows) asked: a pass asks it for every layer
         self._packed: dict[tuple[torch.Size, int], bool] = {}
@@ -92,9 +95,17 @@ class PackedWeights:
         """The packed copy of ``weight`` [N, K] bf16 as it is now."""
         entry = self._copies.get(id(weight))
         if entry is None or entry[0]() is not weight or entry[1] != weight._version:
-            entry = (weakref.ref(weight), weight._version, self._pack(weight))
+            # a weight changed in place (training) is packed again into ordinary memory: the arena frees nothing
+            # one copy at a time, and copies that churn would pile up there
+            copy = self.pack(weight) if entry is None else self._pack(weight)
+            entry = (weakref.ref(weight), weight._version, copy)
             self._copies[id(weight)] = entry
         return entry[2]
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """A packed copy of ``weight`` made to be kept: in the arena where the form is the block kernels'."""
+        packed = self._pack(weight)
+        return self.arena.copy(packed) if self.arena.enabled else packed
 
     def linear(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """rows [M, K] @ weight [N, K]^T (+ bias) over the packed copy where the plan has it compute M rows of this

@@ -51,7 +51,7 @@ class LeanLlama:
         self.intermediate = int(config.intermediate_size)
         self.linear = bf16_amx_linear() if packed.plan.form == "amx" else bf16_packed_linear()
         self.norm = rms_norm_rows()
-        self.pack = packed._pack
+        self.pack, self.arena = packed.pack, packed.arena
         self.layers = None  # packed on the first pass it takes: a target that never takes one pays nothing
         decoder = model.get_decoder()
         self.embed, self.rotary, self.final_norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
@@ -127,7 +127,7 @@ class LeanLlama:
         if int8_candidates() is None or not 1 <= rows.shape[0] <= INT8_ARGMAX_MAX_ROWS:
             return greedy_tokens(self.logits(hidden))
         if self.lm_head_int8 is None:
-            self.lm_head_int8 = Int8Rows(self.lm_head)
+            self.lm_head_int8 = Int8Rows(self.lm_head, arena=self.arena)
         tokens = int8_argmax(rows, self.lm_head, self.lm_head_int8, self.linear, self._packed_head())
         return tokens.reshape(hidden.shape[:-1])
 
@@ -139,11 +139,7 @@ class LeanLlama:
             self.layers = self._packed_layers()
         batch, rows = input_ids.shape
         x = self.embed(input_ids).reshape(batch * rows, -1)
-        cos, sin = self.rotary(x, position_ids)  # [B, T, D]
-        half = self.head_dim // 2
-        # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated): exact, one op instead of four
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        cos, sin = cos.reshape(batch, rows, 1, self.head_dim), sin.reshape(batch, rows, 1, self.head_dim)
+        cos, sin = self.rotation(self.rotary, x, position_ids)
         views = cache.pass_views(rows) if ragged is None else None
         wanted, kept = set(hidden_layers), {}
         # the attention module's choice, looked up per pass: the same kernel the stock layers' tree attention takes
@@ -163,6 +159,16 @@ class LeanLlama:
         hidden = self.norm(x, self.final_norm.weight, float(self.final_norm.variance_epsilon))
         return hidden.reshape(batch, rows, -1), tuple(kept[i] for i in hidden_layers)
 
+    def rotation(self, rotary, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, T, 1, D] of ``rotary`` (a rotary embedding module) at position_ids [B, T] in x's dtype, sin
+        with its first half negated: rotate_half(x) * sin == roll(x, D / 2) * that sin, exactly, one op instead of
+        four."""
+        batch, rows = position_ids.shape
+        cos, sin = rotary(x, position_ids)  # [B, T, D]
+        half = self.head_dim // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return cos.reshape(batch, rows, 1, self.head_dim), sin.reshape(batch, rows, 1, self.head_dim)
+
     def _stack_weights(self) -> tuple[list[torch.Tensor], list[int], list[float]]:
         """The layers' packed weights, product sizes and norm epsilons as ``lean_layers`` takes them (built once)."""
         if self._stack_args is None:
@@ -173,9 +179,13 @@ class LeanLlama:
                                 [layer["eps"] for layer in self.layers])
         return self._stack_args
 
-    def _layer(self, x, layer, index, batch, rows, cos, sin, cache, views, mask, ragged, kernel):
+    def _layer(self, x, layer, index, batch, rows, cos, sin, cache, views, mask, ragged, kernel,
+               attention_input: torch.Tensor | None = None):
+        """One decoder layer over x [B * T, H]; ``attention_input`` [B * T, K], where given, is what q, k and v read
+        instead of the input norm of x (an EAGLE-3 draft layer's concat of two norms:
+        ``runtime.proposers.lean_head``)."""
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        h = self.norm(x, layer["input_norm"], layer["eps"])
+        h = self.norm(x, layer["input_norm"], layer["eps"]) if attention_input is None else attention_input
         qkv = self.linear(h, *layer["qkv"], None).view(batch, rows, heads + 2 * kv_heads, dim)
         qk = qkv[:, :, : heads + kv_heads]
         qk = qk * cos + qk.roll(dim // 2, -1) * sin  # the stock rotary: x cos + rotate_half(x) sin, same dtype

@@ -150,6 +150,12 @@ class Target:
         return self.lm_head.weight.dtype
 
     @property
+    def lean(self) -> LeanLlama | None:
+        """The lean decode pass this target's verification passes take (``runtime.target.lean``), None where it does
+        not apply; a draft head shaped like the target's layers may run its layer through it."""
+        return self._lean
+
+    @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
 

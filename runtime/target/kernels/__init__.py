@@ -284,9 +284,10 @@ def _int8_module():
 class Int8Rows:
     """An int8 copy of a bf16 weight [N, K] (one scale per row, rounded to nearest) packed for int8_candidates.cpp,
     with what its bound needs per row: the sum of the int8 row, |w - s q| + gamma_K |w| and s |q|, each rounded up.
-    Half the weight's memory; the weight itself is untouched."""
+    Half the weight's memory, in ``arena`` (a ``runtime.target.host_memory.HugePageArena``) where given; the weight
+    itself is untouched."""
 
-    def __init__(self, weight: torch.Tensor, chunk: int = 4096):
+    def __init__(self, weight: torch.Tensor, chunk: int = 4096, arena=None):
         n, k = weight.shape
         blocks, quads = -(-n // INT8_BLOCK_ROWS), -(-k // 4)
         padded = blocks * INT8_BLOCK_ROWS
@@ -309,7 +310,8 @@ class Int8Rows:
             up = 1 + 2.0 ** -20  # fp64 norms rounded up past fp32's rounding
             self.c1[start:end] = ((error + gamma * rows.norm(dim=-1)) * up).float()
             self.c2[start:end] = (scale * ints.norm(dim=-1) * up).float()
-        self.packed = q.reshape(blocks, INT8_BLOCK_ROWS, quads, 4).transpose(1, 2).contiguous()
+        self.packed = q.reshape(blocks, INT8_BLOCK_ROWS, quads, 4).transpose(1, 2)
+        self.packed = self.packed.contiguous() if arena is None else arena.copy(self.packed)
         self.rows = n
 
     def candidates(self, x: torch.Tensor, cap: int) -> torch.Tensor | None:
