@@ -9,11 +9,11 @@ The eager rows are the runtime's own pass (Target.forward with its KV cache), wi
 runtime's backend (in bf16 on CPU the decode attention kernel); ratios are to the runtime's T = 1. Where the lean pass
 runs (runtime.target.lean), "eager, greedy" is the pass greedy decoding asks for (only the argmax: the int8 LM head up
 to two rows), "eager, lean layers from Python" the lean pass with its compiled layer stack turned off and "eager,
-ordinary pages" the lean pass with its weight copies on ordinary pages, not huge pages (runtime.target.host_memory).
-The compiled rows run the stock model (its own attention and layers, as outside the runtime's passes) through
-torch.compile with static shapes: a cache that writes into a fixed buffer with ``index_copy_`` and a mask over the whole
-buffer (``runtime.target.static_pass.SlotCache``), so no Python int changes between steps (the runtime's cache keeps
-one, which makes dynamo recompile or fall back). ``--fixed-shapes`` adds the runtime's fixed-shape passes (CUDA graphs with
+ordinary pages" the lean pass with its weight copies on ordinary pages, not huge pages (runtime.target.host_memory). The
+compiled rows run the stock model (its own attention and layers, as outside the runtime's passes) through torch.compile
+with static shapes: a cache that writes into a fixed buffer with ``index_copy_`` and a mask over the whole buffer
+(``runtime.target.static_pass.SlotCache``), so no Python int changes between steps (the runtime's cache keeps one, which
+makes dynamo recompile or fall back). ``--fixed-shapes`` adds the runtime's fixed-shape passes (CUDA graphs with
 ``--device cuda``; on a CPU their eager twin). The profile splits the T = 1 pass into matrix products and the rest and
 converts the matrix-product time into the bandwidth at which the weights were read; the roofline line sets the T = 1
 pass against the time this machine takes just to read the weights once (``runtime.target.machine.read_bandwidth``), the
