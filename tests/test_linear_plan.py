@@ -166,3 +166,23 @@ def test_fp32_weights_get_an_operand_order_plan_that_keeps_the_values(monkeypatc
             got = decode_linear(hidden, weight, bias, store)
         torch.testing.assert_close(got, torch.nn.functional.linear(hidden, weight, bias))
     assert routes == [1] and store.of(weight) is weight  # 2 and 3 rows: F.linear; no copy of the weight
+
+
+def test_the_greedy_heads_int8_rows_stop_at_the_first_count_it_does_not_win():
+    bf16 = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.2}
+    assert linear_plan_module.choose_greedy_rows({"bf16": bf16, "int8": {1: 0.5, 2: 0.6, 4: 0.95, 8: 0.5}}) == 2
+    assert linear_plan_module.choose_greedy_rows({"bf16": bf16, "int8": {1: 0.5, 2: 0.6, 4: 0.8, 8: 1.0}}) == 8
+    assert linear_plan_module.choose_greedy_rows({"bf16": bf16, "int8": {1: 1.5}}) == 0  # never, or not timed
+
+
+def test_the_greedy_heads_rows_are_timed_once_and_small_heads_keep_the_fallback(monkeypatch, tmp_path):
+    monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path))
+    weight = torch.randn(64, 32).bfloat16()
+    timed = []
+    seconds = {"bf16": {1: 1.0, 2: 1.0, 4: 1.0}, "int8": {1: 0.5, 2: 0.5, 4: 2.0}}
+    monkeypatch.setattr(linear_plan_module, "measure_greedy_head_seconds",
+                        lambda *args: timed.append(1) or seconds)
+    assert linear_plan_module.greedy_head_rows(weight, None, None, None, fallback=3) == 3 and not timed  # too small
+    monkeypatch.setattr(linear_plan_module, "MEASURE_MIN_BYTES", 0)
+    assert linear_plan_module.greedy_head_rows(weight, None, None, None, fallback=3) == 2 and len(timed) == 1
+    assert linear_plan_module.greedy_head_rows(weight, None, None, None, fallback=3) == 2 and len(timed) == 1

@@ -28,9 +28,11 @@ from runtime.engine.ragged import RaggedRows
 from runtime.target import attention
 from runtime.target.attention import DECODE_KERNEL_HEAD_SIZES, DECODE_KERNEL_MAX_ROWS
 from runtime.target.decode_layers import LLAMA_FORMULA_NORMS, PackedWeights
+from runtime.target.linear_plan import greedy_head_rows
 from runtime.engine.sampling import greedy_tokens
-from runtime.target.kernels import (INT8_ARGMAX_MAX_ROWS, Int8Rows, bf16_amx_linear, bf16_packed_linear,
-                                    decode_attention, int8_argmax, int8_candidates, lean_layers, rms_norm_rows)
+from runtime.target.kernels import (INT8_ARGMAX_MAX_ROWS, INT8_KERNEL_MAX_ROWS, Int8Rows, bf16_amx_linear,
+                                    bf16_packed_linear, decode_attention, int8_argmax, int8_candidates, lean_layers,
+                                    rms_norm_rows)
 
 LEAN_FAMILIES = ("llama",)
 
@@ -58,6 +60,9 @@ class LeanLlama:
         self.lm_head = model.get_output_embeddings().weight
         self.lm_head_packed = None
         self.lm_head_int8 = None  # the LM head's int8 copy for greedy passes, made on the first (``argmax``)
+        # the most rows whose greedy LM head takes the int8 path: timed on this machine with the first greedy pass
+        # (runtime.target.linear_plan.greedy_head_rows)
+        self.int8_rows = 0
         self._stack_args = None
         self.stack = lean_layers(packed.plan.form == "amx") if compiled_layers else None
 
@@ -121,14 +126,20 @@ class LeanLlama:
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> [...] long: the greedy token of each row, ``greedy_tokens(self.logits(hidden))``
         computed from the LM head's int8 copy and the few bf16 rows it cannot rule out where the CPU has
-        AVX512-VNNI and the pass has at most INT8_ARGMAX_MAX_ROWS rows (``runtime.target.kernels.int8_argmax``),
-        else from the logits."""
+        AVX512-VNNI and the pass has at most the rows for which that was measured faster on this machine
+        (``runtime.target.kernels.int8_argmax``, ``runtime.target.linear_plan.greedy_head_rows``), else from the
+        logits."""
         rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-        if int8_candidates() is None or not 1 <= rows.shape[0] <= INT8_ARGMAX_MAX_ROWS:
+        if int8_candidates() is None or not 1 <= rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
             return greedy_tokens(self.logits(hidden))
         if self.lm_head_int8 is None:
             self.lm_head_int8 = Int8Rows(self.lm_head, arena=self.arena)
-        tokens = int8_argmax(rows, self.lm_head, self.lm_head_int8, self.linear, self._packed_head())
+            self.int8_rows = greedy_head_rows(self.lm_head, self.lm_head_int8, self.linear, self._packed_head(),
+                                              INT8_ARGMAX_MAX_ROWS)
+        if rows.shape[0] > self.int8_rows:
+            return greedy_tokens(self.logits(hidden))
+        tokens = int8_argmax(rows, self.lm_head, self.lm_head_int8, self.linear, self._packed_head(),
+                             max_rows=self.int8_rows)
         return tokens.reshape(hidden.shape[:-1])
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache, attention_mask,

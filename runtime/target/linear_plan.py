@@ -196,3 +196,78 @@ def linear_plan(weights: list[torch.Tensor], products: dict[str, Product],
     plan = choose_plan(measure_linear_seconds(weights, products, rows))
     write_json_atomically(path, plan.to_json())
     return plan
+
+
+# Row counts at which a greedy pass's LM head is timed both ways (runtime.target.kernels.int8_argmax: at most 16).
+GREEDY_HEAD_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
+# Candidates per row the int8 bound leaves on a real hidden state, about (scripts/bench_bf16_rows.py --argmax counts
+# them): what the timing gathers and multiplies in bf16 after the int8 pass.
+TYPICAL_CANDIDATES = 6
+
+
+def choose_greedy_rows(seconds: dict[str, dict[int, float]], margin: float = 0.9) -> int:
+    """The most rows up to which the int8 path (``seconds["int8"][rows]``) took less than ``margin`` times the bf16
+    product's time (``seconds["bf16"][rows]``) at every count timed: 0 where it never did. The int8 path's integer
+    products grow with the rows while the bf16 product stays bound on reading the weight, so past the first loss it
+    does not win again; the margin covers what the timing leaves out (a real hidden state's candidates vary)."""
+    best = 0
+    for rows in sorted(seconds["bf16"]):
+        if seconds["int8"].get(rows, float("inf")) >= margin * seconds["bf16"][rows]:
+            break
+        best = rows
+    return best
+
+
+@torch.inference_mode()
+def measure_greedy_head_seconds(weight: torch.Tensor, int8, linear: Callable[..., torch.Tensor], packed: torch.Tensor,
+                                rows=GREEDY_HEAD_ROWS, repeats: int = 5) -> dict[str, dict[int, float]]:
+    """{"bf16" | "int8": {rows: median seconds}} of a greedy pass's LM head (``weight`` [N, K] bf16, ``int8`` its
+    ``Int8Rows``, ``packed`` its block-packed copy for ``linear``): the full product's argmax against the int8
+    candidates and the bf16 product over ``TYPICAL_CANDIDATES`` rows per input row. Before each timing a buffer twice
+    the weight's size streams through the caches, as a pass's layers do before its LM head."""
+    from runtime.target.kernels import _int8_module
+
+    flush = torch.ones(2 * weight.numel(), dtype=weight.dtype)
+    x = torch.randn(max(rows), weight.shape[1], dtype=weight.dtype)
+    gather = _int8_module().gather_packed
+
+    def with_int8(count: int) -> None:
+        int8.candidates(x[:count], weight.shape[0])
+        chosen = torch.arange(TYPICAL_CANDIDATES * count) * (weight.shape[0] // (TYPICAL_CANDIDATES * count + 1))
+        linear(x[:count], gather(weight, chosen), chosen.numel(), None).argmax(-1)
+
+    ways = {"bf16": lambda count: linear(x[:count], packed, weight.shape[0], None).argmax(-1), "int8": with_int8}
+    found: dict[str, dict[int, float]] = {name: {} for name in ways}
+    for count in rows:
+        timings: dict[str, list[float]] = {name: [] for name in ways}
+        for repeat in range(repeats + 1):  # the first round warms up and is dropped
+            for name, way in ways.items():
+                flush.sum()
+                started = time.perf_counter()
+                way(count)
+                if repeat:
+                    timings[name].append(time.perf_counter() - started)
+        for name, values in timings.items():
+            found[name][count] = statistics.median(values)
+    return found
+
+
+def greedy_head_rows(weight: torch.Tensor, int8, linear: Callable[..., torch.Tensor], packed: torch.Tensor,
+                     fallback: int) -> int:
+    """The most rows for which a greedy pass's LM head takes the int8 path on this machine (``choose_greedy_rows``),
+    timed on first use (a second or so) and cached per machine and weight shape; ``fallback`` for a weight too small to
+    time (``MEASURE_MIN_BYTES``)."""
+    if weight.numel() * weight.element_size() < MEASURE_MIN_BYTES:
+        return fallback
+    key = f"{machine_key(torch.device('cpu'))}|{torch.__version__}|greedy head|{list(weight.shape)}|v{PLAN_VERSION}"
+    path = cache_dir() / "linear_plans" / f"{hashlib.sha1(key.encode()).hexdigest()[:12]}.json"
+    if path.is_file():
+        try:
+            return int(json.loads(path.read_text())["int8_rows"])
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged file: measured again below
+    print("[headstart] timing the greedy LM head's int8 path on this machine (once) ...", file=sys.stderr)
+    seconds = measure_greedy_head_seconds(weight, int8, linear, packed)
+    chosen = choose_greedy_rows(seconds)
+    write_json_atomically(path, {"int8_rows": chosen, "seconds": seconds})
+    return chosen

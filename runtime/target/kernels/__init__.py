@@ -322,10 +322,12 @@ class Int8Rows:
         return found if found.numel() else None
 
 
-# Rows up to which the int8 candidates cost less than the bf16 product: each row is two int8 rows of integer dot
-# products, which bind on the instruction beyond a few rows while the product stays bound on reading the weights
-# (scripts/bench_bf16_rows.py --argmax times both).
+# Rows up to which the int8 candidates cost less than the bf16 product where that is not timed (a small model): each
+# row is two int8 rows of integer dot products, which bind on the instruction beyond a few rows while the product
+# stays bound on reading the weights (scripts/bench_bf16_rows.py --argmax times both; the runtime times them once per
+# machine for a model's LM head: runtime.target.linear_plan.greedy_head_rows).
 INT8_ARGMAX_MAX_ROWS = 2
+INT8_KERNEL_MAX_ROWS = 16  # the most input rows int8_candidates.cpp takes
 
 
 def int8_argmax(x: torch.Tensor, weight: torch.Tensor, int8: Int8Rows, linear: Callable[..., torch.Tensor],
@@ -336,7 +338,7 @@ def int8_argmax(x: torch.Tensor, weight: torch.Tensor, int8: Int8Rows, linear: C
     so they are the full product's values, and every output ruled out is smaller than one of them. Falls back to the
     full product where the bound rules out too little (over ``cap`` candidates) or x has more than ``max_rows`` rows
     (at most 16)."""
-    found = int8.candidates(x, cap) if 1 <= x.shape[0] <= min(max_rows, 16) else None
+    found = int8.candidates(x, cap) if 1 <= x.shape[0] <= min(max_rows, INT8_KERNEL_MAX_ROWS) else None
     if found is None:
         return linear(x, packed, weight.shape[0], None).argmax(-1)
     rows = _int8_module().gather_packed(weight.contiguous(), found)  # pack_bf16_weight(weight[found])
