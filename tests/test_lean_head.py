@@ -1,6 +1,7 @@
-"""EAGLE-3 drafting through the lean layer (runtime.proposers.lean_head) computes what the head's own modules compute
-with the same products: hidden states, logits and the head's cache, for a verified run of rows and for a tree's
-frontier; and decoding with it is the target's greedy decoding."""
+"""Drafting through the lean pass's kernels (runtime.proposers.lean_head) computes what the heads' own modules compute
+with the same products: for EAGLE-3 hidden states, logits and the head's cache, for a verified run of rows and for a
+tree's frontier (through the compiled layer stack); for DFlash the context's keys and values and a block's hidden
+states, cache entries and logits; and decoding with either is the target's greedy decoding."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import pytest
 import torch
 
 from heads.common import frozen_target_weights
+from heads.dflash import DFlashConfig, DFlashHead
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from runtime.engine.decoder import SpeculativeDecoder
 from runtime.engine.kv_cache import KVCache
+from runtime.proposers.dflash import DFlashProposer
 from runtime.proposers.eagle import EagleProposer, causal_rows_mask
-from runtime.proposers.lean_head import LeanEagle3
+from runtime.proposers.lean_head import LeanDFlash, LeanEagle3
 from runtime.target.attention import use_tree_attention
 from runtime.target.decode_layers import PackedWeights, decode_layer_classes
 from runtime.target.linear_plan import LinearPlan
@@ -31,7 +34,12 @@ def bf16_head(target, seed: int = 0) -> Eagle3Head:
             parameter.add_(torch.randn_like(parameter) * 0.05)
     head.attach_target_weights(*frozen_target_weights(target.model))
     head.set_draft_vocab(torch.arange(48) * 2 - torch.arange(48), torch.arange(96) % 2 == 0)
-    head = head.to(torch.bfloat16).eval()
+    return decode_switched(head.to(torch.bfloat16).eval())
+
+
+def decode_switched(head):
+    """``head`` with its modules switched to the decode layers, every product the block-packed kernel's (what the lean
+    drafters compute with), and tree attention as the runtime runs it."""
     decode_class = decode_layer_classes(PackedWeights(LinearPlan(FORM, {}, ((256, True),))))
     for module in head.modules():
         fast = decode_class(type(module))
@@ -53,6 +61,8 @@ def test_the_lean_layer_equals_the_heads_modules(rows):
     head = bf16_head(target)
     assert LeanEagle3.supports(head, lean)
     drafter = LeanEagle3(head, lean)
+    calls, stack = [], lean.stack
+    lean.stack = lambda *args: calls.append(1) or stack(*args)
     torch.manual_seed(2)
     done = 6
     tokens = torch.randint(0, 96, (1, done + rows))
@@ -74,6 +84,7 @@ def test_the_lean_layer_equals_the_heads_modules(rows):
             cache.commit(rows)
             hidden, logits = way(frontier, parents, torch.tensor([[done + rows] * 3]), tree_mask, cache)
             results.append((read, way.logits(read), hidden, logits, cache.kv.clone()))
+    assert len(calls) == 2  # the run of rows and the frontier, each through the compiled stack
     for stock, ours in zip(*results):
         assert torch.equal(stock, ours)
 
@@ -87,3 +98,56 @@ def test_decoding_with_the_lean_head_is_the_targets_greedy_decoding():
     plain = SpeculativeDecoder(target).generate(prompt, 24)
     drafted = SpeculativeDecoder(target, proposer, tree_size=6).generate(prompt, 24)
     assert drafted.tokens == plain.tokens and drafted.target_forwards < plain.target_forwards + 1
+
+
+def bf16_dflash(target, seed: int = 0) -> DFlashHead:
+    """A random two-layer DFlash head for the tiny lean target, in bf16, switched to the decode layers as
+    ``bf16_head``."""
+    torch.manual_seed(seed)
+    head = DFlashHead(DFlashConfig(num_layers=2, block_size=4, feature_layers=[0, 1], draft_vocab_size=48),
+                      target.config)
+    with torch.no_grad():
+        for parameter in head.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    head.attach_target_weights(*frozen_target_weights(target.model))
+    head.set_draft_vocab(torch.arange(48) * 2 - torch.arange(48), torch.arange(96) % 2 == 0)
+    return decode_switched(head.to(torch.bfloat16).eval())
+
+
+@pytest.mark.parametrize("context_rows", [1, 6])
+def test_lean_dflash_equals_the_heads_modules(context_rows):
+    """The context's keys and values, a block's hidden states, its cache entries and logits: equal either way."""
+    target, lean = lean_target()
+    head = bf16_dflash(target)
+    assert LeanDFlash.supports(head, lean)
+    drafter = LeanDFlash(head, lean)
+    torch.manual_seed(5)
+    features = torch.randn(1, context_rows, 2 * head.hidden_size).bfloat16()
+    positions = torch.arange(context_rows)[None]
+    size = head.block_size
+    results = []
+    for way in (head, drafter):
+        with torch.inference_mode():
+            context_kv = way.context_kv(way.context(features), positions)
+            cache = KVCache(2, 1, 1, 64, context_rows + size, torch.bfloat16, torch.device("cpu"))
+            for layer, (keys, values) in enumerate(context_kv):
+                cache.kv[layer, 0, 0, :, :context_rows] = keys[0]
+                cache.kv[layer, 1, 0, :, :context_rows] = values[0]
+            cache.commit(context_rows)
+            embeddings = head.block_embeddings(torch.tensor([[7]]), torch.bfloat16)
+            mask = torch.ones(1, 1, size, context_rows + size, dtype=torch.bool)
+            hidden = way.block_hidden(embeddings, context_rows - 1 + torch.arange(size)[None], mask, cache)
+            results.append([t for pair in context_kv for t in pair] + [hidden, way.logits(hidden), cache.kv.clone()])
+    for stock, ours in zip(*results):
+        assert torch.equal(stock, ours)
+
+
+def test_decoding_with_lean_dflash_is_the_targets_greedy_decoding():
+    target, lean = lean_target()
+    target._lean = lean
+    proposer = DFlashProposer(bf16_dflash(target, seed=6), target, top_k=2)
+    assert proposer.lean is not None
+    prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(7))
+    plain = SpeculativeDecoder(target).generate(prompt, 24)
+    drafted = SpeculativeDecoder(target, proposer, tree_size=4).generate(prompt, 24)
+    assert drafted.tokens == plain.tokens

@@ -17,8 +17,10 @@ import torch
 from runtime.engine.kv_cache import KVCache
 from runtime.engine.tree import Tree
 from runtime.proposers.base import Proposer, ProposeInput
+from runtime.proposers.lean_head import LeanDFlash
 from runtime.proposers.medusa import best_rank_paths
 from runtime.engine.sampling import SamplingParams
+from runtime.target.attention import DECODE_KERNEL_MAX_ROWS
 
 
 @dataclass
@@ -57,6 +59,14 @@ class DFlashProposer(Proposer):
         self.hidden_layers = tuple(head.feature_layers)
         self.max_depth = head.block_size - 1
         self.token_map = head.draft_to_target
+        # where the target's lean pass runs, the head drafts through its kernels (runtime.proposers.lean_head)
+        lean = getattr(target, "lean", None)
+        self.lean = LeanDFlash(head, lean) if LeanDFlash.supports(head, lean) else None
+
+    def _drafter(self, rows: int):
+        """What computes ``rows`` rows: the lean drafter up to the decode kernels' rows, else (a prompt's context)
+        the head's modules."""
+        return self.lean if self.lean is not None and rows <= DECODE_KERNEL_MAX_ROWS else self.head
 
     @classmethod
     def from_head(cls, head, target, tree: dict, tree_size: int | None) -> DFlashProposer:
@@ -81,7 +91,7 @@ class DFlashProposer(Proposer):
 
     def _read_context(self, state: DFlashState, step: ProposeInput) -> None:
         """Project the features of the rows verified since the last proposal into the drafter's cache."""
-        cache, head = state.cache, self.head
+        cache = state.cache
         done, context = cache.max_committed, step.history.numel()
         features = torch.cat(step.new_layer_hidden, dim=-1)
         count = features.shape[0]
@@ -91,7 +101,8 @@ class DFlashProposer(Proposer):
         if count == 0:
             return
         positions = torch.arange(done, done + count, device=features.device)[None]
-        for layer, (keys, values) in enumerate(head.context_kv(head.context(features[None]), positions)):
+        drafter = self._drafter(count)
+        for layer, (keys, values) in enumerate(drafter.context_kv(drafter.context(features[None]), positions)):
             cache.kv[layer, 0, 0, :, done: done + count] = keys[0]
             cache.kv[layer, 1, 0, :, done: done + count] = values[0]
         cache.commit(count)
@@ -106,8 +117,9 @@ class DFlashProposer(Proposer):
         columns = torch.arange(cache.max_committed + size, device=roots.device)
         mask = (columns[None, :] < (lengths + size)[:, None])[:, None, None, :].expand(batch, 1, size, -1)
         embeddings = head.block_embeddings(roots[:, None], head.fc.weight.dtype)
-        hidden = head.block_hidden(embeddings, positions, mask, cache)  # its keys are written past the lengths only
-        return torch.log_softmax(head.logits(hidden[:, 1: depth + 1]).float(), dim=-1)
+        drafter = self._drafter(size)
+        hidden = drafter.block_hidden(embeddings, positions, mask, cache)  # its keys are written past the lengths only
+        return torch.log_softmax(drafter.logits(hidden[:, 1: depth + 1]).float(), dim=-1)
 
     @torch.inference_mode()
     def propose(self, state: DFlashState, step: ProposeInput) -> Tree:

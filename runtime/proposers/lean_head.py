@@ -1,25 +1,28 @@
-"""EAGLE-3 drafting through the lean pass's layer: the head's one decoder layer and its LM head as the target's lean
-pass computes a layer (``runtime.target.lean``), without transformers' module calls around them.
+"""Draft heads through the lean pass's kernels (``runtime.target.lean``), without transformers' module calls around
+them: EAGLE-3's one decoder layer and LM head (``LeanEagle3``), DFlash's context projection, draft layers and LM head
+rows (``LeanDFlash``).
 
 An EAGLE-3 head is one Llama layer, shaped like the target's, whose attention reads concat(norm(embed), norm(hidden))
 and whose residual is the fused feature; a dynamic tree asks it for a few rows at a time, three or four times a step.
-Through the stock modules each of those calls costs more in Python around the products than the products take, and
-on a CPU drafting grew to a quarter of a step (``scripts/benchmark.py`` reports each method's draft share). Here
-the layer is the lean pass's ``_layer`` given the concat as its attention input, every product the packed kernel over
-copies packed once, the norms the norm kernel, attention the decode attention kernel: the stock head's operations in
-the same order and dtypes, so its outputs are the stock head's wherever the head's own products are the packed
-kernel's (``tests/test_lean_head.py``), and close to them elsewhere. Drafts never change the output, only how much of
-it a pass accepts.
+A DFlash head projects each verified row's features into its layers' keys and values and runs a block of rows
+through a layer or two. Through the stock modules each of those calls costs more in Python around the products than
+the products take, and on a CPU drafting grew to a quarter of a step (``scripts/benchmark.py`` reports each method's
+draft share). Here every product is the packed kernel over copies packed once, the norms the norm kernel, attention
+the decode attention kernel, EAGLE-3's layer the lean pass's own given the concat as its attention input (in its
+compiled stack where that runs): the stock heads' operations in the same order and dtypes, so the outputs are the
+stock heads' wherever their own products are the packed kernel's (``tests/test_lean_head.py``), and close to them
+elsewhere. Drafts never change the output, only how much of it a pass accepts.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from runtime.engine.kv_cache import KVCache
 from runtime.target import attention
 from runtime.target.decode_layers import LLAMA_FORMULA_NORMS
-from runtime.target.lean import LeanLlama
+from runtime.target.lean import LeanLlama, stack_weights
 
 
 class LeanEagle3:
@@ -41,6 +44,7 @@ class LeanEagle3:
                       "eps": float(layer.input_layernorm.variance_epsilon)}
         self.hidden_norm = (layer.hidden_norm.weight, float(layer.hidden_norm.variance_epsilon))
         self.final_norm = (head.norm.weight, float(head.norm.variance_epsilon))
+        self.stack_args = stack_weights([self.layer])
         self.fc = (lean.pack(head.fc.weight), hidden)
         self.lm_head = (lean.pack(head.lm_head.weight), head.lm_head.out_features)
 
@@ -85,9 +89,8 @@ class LeanEagle3:
         attention_input = torch.cat((lean.norm(embeds, self.layer["input_norm"], self.layer["eps"]),
                                      lean.norm(x, *self.hidden_norm)), dim=-1)
         cos, sin = lean.rotation(self.head.rotary, x, position_ids)
-        views = cache.pass_views(rows)
-        x = lean._layer(x, self.layer, 0, batch, rows, cos, sin, cache, views, attention_mask, None,
-                        attention.decode_attention(), attention_input)
+        x = lean.layer_through_stack(x, self.layer, self.stack_args, batch, rows, cos, sin, cache, attention_mask,
+                                     attention_input)
         return x.reshape(batch, rows, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -100,3 +103,120 @@ class LeanEagle3:
         """(hidden, logits) as the head's ``forward``."""
         hidden = self.hidden_states(input_ids, features, position_ids, attention_mask, cache)
         return hidden, self.logits(hidden)
+
+
+class LeanDFlash:
+    """``head`` (a ``heads.dflash.DFlashHead`` on the target's device and dtype) drafting through ``lean``'s kernels:
+    its context projection, its Qwen3 draft layers (q/k norms per head, the block's bidirectional attention over the
+    context's keys) and its LM head rows, each product the packed kernel over copies packed once, in the stock layers'
+    order and dtypes. Its weights are packed here: a head whose weights change afterwards drafts from the copies."""
+
+    def __init__(self, head, lean: LeanLlama):
+        self.head, self.lean = head, lean
+        self.layers = []
+        for layer in head.layers:
+            attention_module, mlp = layer.self_attn, layer.mlp
+            qkv = torch.cat([attention_module.q_proj.weight, attention_module.k_proj.weight,
+                             attention_module.v_proj.weight])
+            kv = torch.cat([attention_module.k_proj.weight, attention_module.v_proj.weight])
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            self.layers.append({
+                "qkv": (lean.pack(qkv), qkv.shape[0]), "kv": (lean.pack(kv), kv.shape[0]),
+                "o": (lean.pack(attention_module.o_proj.weight), head.hidden_size),
+                "gate_up": (lean.pack(gate_up), gate_up.shape[0]),
+                "down": (lean.pack(mlp.down_proj.weight), head.hidden_size),
+                "norms": {name: (norm.weight, float(norm.variance_epsilon)) for name, norm in (
+                    ("input", layer.input_layernorm), ("post", layer.post_attention_layernorm),
+                    ("q", attention_module.q_norm), ("k", attention_module.k_norm))}})
+        self.fc = (lean.pack(head.fc.weight), head.hidden_size)
+        self.hidden_norm = (head.hidden_norm.weight, float(head.hidden_norm.variance_epsilon))
+        self.final_norm = (head.norm.weight, float(head.norm.variance_epsilon))
+        self.lm_head = (lean.pack(head.lm_head.weight), head.lm_head.weight.shape[0])
+
+    @staticmethod
+    def supports(head, lean: LeanLlama | None) -> bool:
+        """Whether ``head`` drafts through ``lean``'s kernels exactly as through its modules: a DFlash head in bf16 on
+        CPU whose layers have the lean pass's shapes, no biases, Qwen3 norms, SiLU, default rotary, no soft-capping."""
+        if lean is None or getattr(head, "head_type", None) != "dflash" or getattr(head, "softcap", None):
+            return False
+        config = head.layer_config
+        weights = [head.fc.weight, head.lm_head.weight]
+        for layer in head.layers:
+            attention_module, mlp = layer.self_attn, layer.mlp
+            linears = (attention_module.q_proj, attention_module.k_proj, attention_module.v_proj,
+                       attention_module.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+            if any(linear.bias is not None for linear in linears):
+                return False
+            weights += [linear.weight for linear in linears]
+        norms = [head.hidden_norm, head.norm] + [norm for layer in head.layers for norm in (
+            layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm)]
+        return (all(weight.dtype == torch.bfloat16 and weight.device.type == "cpu" for weight in weights)
+                and all(any(cls.__name__ in LLAMA_FORMULA_NORMS for cls in type(norm).__mro__) for norm in norms)
+                and getattr(config, "hidden_act", "silu") == "silu"
+                and int(config.num_attention_heads) == lean.heads and int(config.num_key_value_heads) == lean.kv_heads
+                and int(config.head_dim) == lean.head_dim and int(config.intermediate_size) == lean.intermediate
+                and (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default") == "default")
+
+    def context(self, features: torch.Tensor) -> torch.Tensor:
+        """``heads.dflash.DFlashHead.context``: features [B, T, K*H] -> context [B, T, H]."""
+        rows = features.reshape(-1, features.shape[-1]).to(self.fc[0].dtype).contiguous()
+        fused = self.lean.linear(rows, *self.fc, None)
+        return self.lean.norm(fused, *self.hidden_norm).reshape(*features.shape[:-1], -1)
+
+    def context_kv(self, context: torch.Tensor, position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``heads.dflash.DFlashHead.context_kv``: each layer's (keys, values) [B, Hkv, T, D] of context [B, T, H]."""
+        lean = self.lean
+        batch, rows = context.shape[:2]
+        cos, sin = lean.rotation(self.head.rotary, context, position_ids)
+        flat = context.reshape(batch * rows, -1).contiguous()
+        kv = []
+        for layer in self.layers:
+            both = lean.linear(flat, *layer["kv"], None).view(batch, rows, 2 * lean.kv_heads, lean.head_dim)
+            keys = self._normed(both[:, :, :lean.kv_heads], layer["norms"]["k"])
+            keys = keys * cos + keys.roll(lean.head_dim // 2, -1) * sin
+            kv.append((keys.transpose(1, 2), both[:, :, lean.kv_heads:].transpose(1, 2)))
+        return kv
+
+    def _normed(self, heads: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+        """A per-head RMSNorm of heads [B, T, n, D] (the stock q/k norms: the norm kernel over rows of D)."""
+        return self.lean.norm(heads.reshape(-1, heads.shape[-1]).contiguous(), *norm).view(heads.shape)
+
+    def block_hidden(self, embeddings: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     cache: KVCache) -> torch.Tensor:
+        """``heads.dflash.DFlashHead.block_hidden``: embeddings [B, Q, H] of block rows at position_ids [B, Q], their
+        keys and values written into ``cache`` (uncommitted) after its context -> normed hidden [B, Q, H]."""
+        lean = self.lean
+        batch, rows = embeddings.shape[:2]
+        heads, kv_heads, dim = lean.heads, lean.kv_heads, lean.head_dim
+        x = embeddings.reshape(batch * rows, -1).to(self.fc[0].dtype).contiguous()
+        cos, sin = lean.rotation(self.head.rotary, x, position_ids)
+        views = cache.pass_views(rows)
+        kernel = attention.decode_attention()
+        for index, layer in enumerate(self.layers):
+            norms = layer["norms"]
+            h = lean.norm(x, *norms["input"])
+            qkv = lean.linear(h, *layer["qkv"], None).view(batch, rows, heads + 2 * kv_heads, dim)
+            qk = torch.cat((self._normed(qkv[:, :, :heads], norms["q"]),
+                            self._normed(qkv[:, :, heads:heads + kv_heads], norms["k"])), dim=2)
+            qk = qk * cos + qk.roll(dim // 2, -1) * sin
+            query = qk[:, :, :heads].transpose(1, 2)
+            key, value = qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads:].transpose(1, 2)
+            if views is None:
+                keys, values = cache.update(key, value, index)
+            else:
+                written, read = views[0][index], views[1][index]
+                written[0].copy_(key)
+                written[1].copy_(value)
+                keys, values = read[0], read[1]
+            attended = kernel(query, keys, values, attention_mask, lean.scale, None)
+            x = x + lean.linear(attended.reshape(batch * rows, heads * dim), *layer["o"], None)
+            h = lean.norm(x, *norms["post"])
+            gate_up = lean.linear(h, *layer["gate_up"], None)
+            act = F.silu(gate_up[:, :lean.intermediate]) * gate_up[:, lean.intermediate:]
+            x = x + lean.linear(act, *layer["down"], None)
+        return lean.norm(x, *self.final_norm).reshape(batch, rows, -1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] (normed) -> logits [..., V'] over the draft vocabulary."""
+        rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        return self.lean.linear(rows, *self.lm_head, None).reshape(*hidden.shape[:-1], -1)

@@ -37,6 +37,14 @@ from runtime.target.kernels import (INT8_ARGMAX_MAX_ROWS, INT8_KERNEL_MAX_ROWS, 
 LEAN_FAMILIES = ("llama",)
 
 
+def stack_weights(layers: list[dict]) -> tuple[list[torch.Tensor], list[int], list[float]]:
+    """Packed layers (``LeanLlama._packed_layers``' dicts) as ``lean_layers`` takes them: per layer the packed qkv, o,
+    gate_up and down weights and the two norms' weights; the four products' sizes; the norms' epsilon."""
+    names = ("qkv", "o", "gate_up", "down")
+    return ([t for layer in layers for t in [layer[n][0] for n in names] + [layer["input_norm"], layer["post_norm"]]],
+            [layer[n][1] for layer in layers for n in names], [layer["eps"] for layer in layers])
+
+
 class LeanLlama:
     """The lean pass over ``model``'s weights (a Llama-family transformers causal LM; never changed), with the packed
     products of ``packed`` (its plan's form must be one the block kernels read). ``compiled_layers``: where every row
@@ -159,7 +167,7 @@ class LeanLlama:
         if views is not None and self.stack is not None and kernel is decode_attention():
             order = sorted(wanted)
             x, *inputs = self.stack(x, *self._stack_weights(), cos, sin, views[0], views[1], attention_mask, batch,
-                                    rows, self.heads, self.kv_heads, self.intermediate, self.scale, order)
+                                    rows, self.heads, self.kv_heads, self.intermediate, self.scale, order, None)
             kept = dict(zip(order, inputs))
             hidden = self.norm(x, self.final_norm.weight, float(self.final_norm.variance_epsilon))
             return hidden.reshape(batch, rows, -1), tuple(kept[i] for i in hidden_layers)
@@ -183,12 +191,19 @@ class LeanLlama:
     def _stack_weights(self) -> tuple[list[torch.Tensor], list[int], list[float]]:
         """The layers' packed weights, product sizes and norm epsilons as ``lean_layers`` takes them (built once)."""
         if self._stack_args is None:
-            names = ("qkv", "o", "gate_up", "down")
-            self._stack_args = ([t for layer in self.layers for t in [layer[n][0] for n in names]
-                                 + [layer["input_norm"], layer["post_norm"]]],
-                                [layer[n][1] for layer in self.layers for n in names],
-                                [layer["eps"] for layer in self.layers])
+            self._stack_args = stack_weights(self.layers)
         return self._stack_args
+
+    def layer_through_stack(self, x: torch.Tensor, layer: dict, stack_args, batch: int, rows: int, cos, sin,
+                            cache: KVCache, mask, attention_input: torch.Tensor | None = None) -> torch.Tensor:
+        """``_layer`` for one layer whose cache is ``cache``'s only layer (a draft head's), through the compiled stack
+        where it runs (``stack_args``: ``stack_weights([layer])``), else through the Python loop."""
+        views = cache.pass_views(rows)
+        kernel = attention.decode_attention()
+        if views is not None and self.stack is not None and kernel is decode_attention():
+            return self.stack(x, *stack_args, cos, sin, views[0], views[1], mask, batch, rows, self.heads,
+                              self.kv_heads, self.intermediate, self.scale, [], attention_input)[0]
+        return self._layer(x, layer, 0, batch, rows, cos, sin, cache, views, mask, None, kernel, attention_input)
 
     def _layer(self, x, layer, index, batch, rows, cos, sin, cache, views, mask, ragged, kernel,
                attention_input: torch.Tensor | None = None):

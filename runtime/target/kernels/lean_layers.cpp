@@ -68,14 +68,17 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64
 // weights (pack_bf16_weight), the input and post-attention norms' weights; sizes: per layer the four products'
 // output sizes; eps: per layer the norms' epsilon; cos, sin [B, T, 1, D] (sin with its first half negated); written
 // [L, 2, B, Hkv, T, D] and read [L, 2, B, Hkv, S, D]: the cache's views for the pass (KVCache.pass_views); mask
-// [B, 1, T, S] bool or None; kept: the layers whose inputs are returned. -> [x after the last layer, the kept inputs].
+// [B, 1, T, S] bool or None; kept: the layers whose inputs are returned; first_input [B * T, K] or None: what the
+// first layer's q, k and v read instead of its input norm of x (an EAGLE-3 draft layer's two norms side by side, K =
+// 2H; runtime.proposers.lean_head). -> [x after the last layer, the kept inputs].
 std::vector<torch::Tensor> lean_layers(torch::Tensor x, const std::vector<torch::Tensor>& weights,
                                        const std::vector<int64_t>& sizes, const std::vector<double>& eps,
                                        const torch::Tensor& cos, const torch::Tensor& sin,
                                        const torch::Tensor& written, const torch::Tensor& read,
                                        const c10::optional<torch::Tensor>& mask, int64_t batch, int64_t rows,
                                        int64_t heads, int64_t kv_heads, int64_t intermediate, double scale,
-                                       const std::vector<int64_t>& kept) {
+                                       const std::vector<int64_t>& kept,
+                                       const c10::optional<torch::Tensor>& first_input) {
   const int64_t layers = static_cast<int64_t>(eps.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == 6 * layers && static_cast<int64_t>(sizes.size()) == 4 * layers,
               "expected six weights and four sizes per layer");
@@ -87,7 +90,7 @@ std::vector<torch::Tensor> lean_layers(torch::Tensor x, const std::vector<torch:
     if (next < kept.size() && kept[next] == index) out[1 + next++] = x.view({batch, rows, -1});
     const torch::Tensor* w = weights.data() + 6 * index;
     const int64_t* n = sizes.data() + 4 * index;
-    torch::Tensor h = rms_norm_rows(x, w[4], eps[index]);
+    torch::Tensor h = index == 0 && first_input.has_value() ? *first_input : rms_norm_rows(x, w[4], eps[index]);
     const torch::Tensor qkv = product(h, w[0], n[0]).view({batch, rows, heads + 2 * kv_heads, dim});
     torch::Tensor query = torch::empty({batch, rows, heads, dim}, qkv.options());
     const torch::Tensor into = written[index], from = read[index];
