@@ -17,7 +17,6 @@ elsewhere. Drafts never change the output, only how much of it a pass accepts.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from runtime.engine.kv_cache import KVCache
 from runtime.target import attention
@@ -120,14 +119,16 @@ class LeanDFlash:
                              attention_module.v_proj.weight])
             kv = torch.cat([attention_module.k_proj.weight, attention_module.v_proj.weight])
             gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+            # the lean layer's dict (LeanLlama._packed_layers), with the q/k norms it applies where present
             self.layers.append({
                 "qkv": (lean.pack(qkv), qkv.shape[0]), "kv": (lean.pack(kv), kv.shape[0]),
                 "o": (lean.pack(attention_module.o_proj.weight), head.hidden_size),
                 "gate_up": (lean.pack(gate_up), gate_up.shape[0]),
                 "down": (lean.pack(mlp.down_proj.weight), head.hidden_size),
-                "norms": {name: (norm.weight, float(norm.variance_epsilon)) for name, norm in (
-                    ("input", layer.input_layernorm), ("post", layer.post_attention_layernorm),
-                    ("q", attention_module.q_norm), ("k", attention_module.k_norm))}})
+                "input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                "eps": float(layer.input_layernorm.variance_epsilon),
+                "q_norm": (attention_module.q_norm.weight, float(attention_module.q_norm.variance_epsilon)),
+                "k_norm": (attention_module.k_norm.weight, float(attention_module.k_norm.variance_epsilon))})
         self.fc = (lean.pack(head.fc.weight), head.hidden_size)
         self.hidden_norm = (head.hidden_norm.weight, float(head.hidden_norm.variance_epsilon))
         self.final_norm = (head.norm.weight, float(head.norm.variance_epsilon))
@@ -172,14 +173,10 @@ class LeanDFlash:
         kv = []
         for layer in self.layers:
             both = lean.linear(flat, *layer["kv"], None).view(batch, rows, 2 * lean.kv_heads, lean.head_dim)
-            keys = self._normed(both[:, :, :lean.kv_heads], layer["norms"]["k"])
+            keys = lean.head_norm(both[:, :, :lean.kv_heads], *layer["k_norm"])
             keys = keys * cos + keys.roll(lean.head_dim // 2, -1) * sin
             kv.append((keys.transpose(1, 2), both[:, :, lean.kv_heads:].transpose(1, 2)))
         return kv
-
-    def _normed(self, heads: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
-        """A per-head RMSNorm of heads [B, T, n, D] (the stock q/k norms: the norm kernel over rows of D)."""
-        return self.lean.norm(heads.reshape(-1, heads.shape[-1]).contiguous(), *norm).view(heads.shape)
 
     def block_hidden(self, embeddings: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                      cache: KVCache) -> torch.Tensor:
@@ -187,33 +184,12 @@ class LeanDFlash:
         keys and values written into ``cache`` (uncommitted) after its context -> normed hidden [B, Q, H]."""
         lean = self.lean
         batch, rows = embeddings.shape[:2]
-        heads, kv_heads, dim = lean.heads, lean.kv_heads, lean.head_dim
         x = embeddings.reshape(batch * rows, -1).to(self.fc[0].dtype).contiguous()
         cos, sin = lean.rotation(self.head.rotary, x, position_ids)
         views = cache.pass_views(rows)
         kernel = attention.decode_attention()
         for index, layer in enumerate(self.layers):
-            norms = layer["norms"]
-            h = lean.norm(x, *norms["input"])
-            qkv = lean.linear(h, *layer["qkv"], None).view(batch, rows, heads + 2 * kv_heads, dim)
-            qk = torch.cat((self._normed(qkv[:, :, :heads], norms["q"]),
-                            self._normed(qkv[:, :, heads:heads + kv_heads], norms["k"])), dim=2)
-            qk = qk * cos + qk.roll(dim // 2, -1) * sin
-            query = qk[:, :, :heads].transpose(1, 2)
-            key, value = qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads:].transpose(1, 2)
-            if views is None:
-                keys, values = cache.update(key, value, index)
-            else:
-                written, read = views[0][index], views[1][index]
-                written[0].copy_(key)
-                written[1].copy_(value)
-                keys, values = read[0], read[1]
-            attended = kernel(query, keys, values, attention_mask, lean.scale, None)
-            x = x + lean.linear(attended.reshape(batch * rows, heads * dim), *layer["o"], None)
-            h = lean.norm(x, *norms["post"])
-            gate_up = lean.linear(h, *layer["gate_up"], None)
-            act = F.silu(gate_up[:, :lean.intermediate]) * gate_up[:, lean.intermediate:]
-            x = x + lean.linear(act, *layer["down"], None)
+            x = lean._layer(x, layer, index, batch, rows, cos, sin, cache, views, attention_mask, None, kernel)
         return lean.norm(x, *self.final_norm).reshape(batch, rows, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

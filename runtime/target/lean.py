@@ -205,15 +205,23 @@ class LeanLlama:
                               self.kv_heads, self.intermediate, self.scale, [], attention_input)[0]
         return self._layer(x, layer, 0, batch, rows, cos, sin, cache, views, mask, None, kernel, attention_input)
 
+    def head_norm(self, heads: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """A per-head RMSNorm of heads [B, T, n, D] (Qwen3's q and k norms: the norm kernel over rows of D)."""
+        return self.norm(heads.reshape(-1, heads.shape[-1]).contiguous(), weight, eps).view(heads.shape)
+
     def _layer(self, x, layer, index, batch, rows, cos, sin, cache, views, mask, ragged, kernel,
                attention_input: torch.Tensor | None = None):
         """One decoder layer over x [B * T, H]; ``attention_input`` [B * T, K], where given, is what q, k and v read
-        instead of the input norm of x (an EAGLE-3 draft layer's concat of two norms:
+        instead of the input norm of x (an EAGLE-3 draft layer's concat of two norms), and a layer with ``q_norm``
+        and ``k_norm`` (weight, eps) norms its q and k heads before rotary (a DFlash draft layer's; both:
         ``runtime.proposers.lean_head``)."""
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         h = self.norm(x, layer["input_norm"], layer["eps"]) if attention_input is None else attention_input
         qkv = self.linear(h, *layer["qkv"], None).view(batch, rows, heads + 2 * kv_heads, dim)
         qk = qkv[:, :, : heads + kv_heads]
+        if "q_norm" in layer:  # a Qwen3 layer's per-head norms of q and k (a DFlash draft layer)
+            qk = torch.cat((self.head_norm(qk[:, :, :heads], *layer["q_norm"]),
+                            self.head_norm(qk[:, :, heads:], *layer["k_norm"])), dim=2)
         qk = qk * cos + qk.roll(dim // 2, -1) * sin  # the stock rotary: x cos + rotate_half(x) sin, same dtype
         query = qk[:, :, :heads].transpose(1, 2)
         key, value = qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv_heads:].transpose(1, 2)
