@@ -11,6 +11,7 @@ import torch
 from heads.common import frozen_target_weights
 from heads.dflash import DFlashConfig, DFlashHead
 from heads.eagle3 import Eagle3Config, Eagle3Head
+from runtime.engine.batched import BatchedDecoder
 from runtime.engine.decoder import SpeculativeDecoder
 from runtime.engine.kv_cache import KVCache
 from runtime.proposers.dflash import DFlashProposer
@@ -151,3 +152,56 @@ def test_decoding_with_lean_dflash_is_the_targets_greedy_decoding():
     plain = SpeculativeDecoder(target).generate(prompt, 24)
     drafted = SpeculativeDecoder(target, proposer, tree_size=4).generate(prompt, 24)
     assert drafted.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("head_type", ["eagle3", "dflash"])
+def test_batched_drafting_through_the_lean_drafters_drafts_as_the_heads_modules(head_type):
+    """Rows of different lengths draft together (their caches then write row by row): the same trees through the lean
+    drafters as through the heads' modules, hence the same outputs and passes. (A bf16 batch's output may differ from
+    each prompt's own decoding at near-ties: its prefill and ragged passes round differently.)"""
+    target, lean = lean_target()
+    target._lean = lean
+    if head_type == "eagle3":
+        proposer = EagleProposer(bf16_head(target, seed=8), target, depth=3, top_k=3)
+    else:
+        proposer = DFlashProposer(bf16_dflash(target, seed=8), target, top_k=2)
+    drafter = proposer.lean
+    assert drafter is not None
+    generator = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 96, (length,), generator=generator) for length in (5, 11, 8)]
+    runs = []
+    for way in (drafter, None):
+        proposer.lean = way
+        results = BatchedDecoder(target, proposer, tree_size=4).generate(prompts, 20, batch_size=3)
+        runs.append([(result.tokens, result.target_forwards, result.tree_sizes, result.depth_accepts)
+                     for result in results])
+    assert runs[0] == runs[1]
+    assert any(size > 1 for _, _, sizes, _ in runs[0] for size in sizes)  # trees were drafted and verified
+
+
+def test_rows_of_different_lengths_through_the_lean_layer_equal_the_heads_modules():
+    """Two rows whose caches hold 4 and 7 entries (the cache then writes row by row, not through shared views), two new
+    rows each: equal hidden states and cache entries either way."""
+    target, lean = lean_target()
+    head = bf16_head(target, seed=10)
+    drafter = LeanEagle3(head, lean)
+    torch.manual_seed(11)
+    tokens = torch.randint(0, 96, (2, 2))
+    features = torch.randn(2, 2, head.hidden_size).bfloat16()
+    lengths = torch.tensor([4, 7])
+    positions = lengths[:, None] + torch.arange(2)[None]
+    mask = torch.zeros(2, 1, 2, 9, dtype=torch.bool)
+    for row, length in enumerate(lengths.tolist()):
+        mask[row, 0, :, :length] = True
+        mask[row, 0, :, length:length + 2] = torch.ones(2, 2, dtype=torch.bool).tril()
+    results = []
+    for way in (head, drafter):
+        with torch.inference_mode():
+            config = head.layer_config
+            cache = KVCache(1, 2, config.num_key_value_heads, config.head_dim, 9, torch.bfloat16,
+                            torch.device("cpu"))
+            cache.kv.copy_(torch.randn(cache.kv.shape, generator=torch.Generator().manual_seed(12)).bfloat16())
+            cache.commit(lengths)
+            results.append((way.hidden_states(tokens, features, positions, mask, cache), cache.kv.clone()))
+    for stock, ours in zip(*results):
+        assert torch.equal(stock, ours)
