@@ -138,7 +138,8 @@ class LeanDFlash:
     def supports(head, lean: LeanLlama | None) -> bool:
         """Whether ``head`` drafts through ``lean``'s kernels exactly as through its modules: a DFlash head in bf16 on
         CPU whose layers have the lean pass's shapes, no biases, Qwen3 norms, SiLU, default rotary, no soft-capping."""
-        if lean is None or getattr(head, "head_type", None) != "dflash" or getattr(head, "softcap", None):
+        if (lean is None or getattr(head, "head_type", None) != "dflash" or getattr(head, "softcap", None)
+                or not head.lm_head.attached):  # the target's LM head rows, which a loaded head has
             return False
         config = head.layer_config
         weights = [head.fc.weight, head.lm_head.weight]
