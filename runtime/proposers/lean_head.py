@@ -24,6 +24,25 @@ from runtime.target.decode_layers import LLAMA_FORMULA_NORMS
 from runtime.target.lean import LeanLlama, stack_weights
 
 
+def layer_linears(layer) -> list:
+    """A Llama-shaped decoder layer's seven linear layers."""
+    attention_module, mlp = layer.self_attn, layer.mlp
+    return [attention_module.q_proj, attention_module.k_proj, attention_module.v_proj, attention_module.o_proj,
+            mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+
+
+def plain_layers(linears, norms, config) -> bool:
+    """Whether a head's ``linears`` (modules with ``weight``, and ``bias`` where they have one) and ``norms`` are what
+    the lean kernels compute as the stock modules do: bf16 weights on CPU without biases, Llama-formula norms (the
+    runtime's heads run the decode norms: subclasses of the stock classes), and its layer ``config`` SiLU with the
+    default rotary."""
+    return (all(linear.weight.dtype == torch.bfloat16 and linear.weight.device.type == "cpu"
+                and getattr(linear, "bias", None) is None for linear in linears)
+            and all(any(cls.__name__ in LLAMA_FORMULA_NORMS for cls in type(norm).__mro__) for norm in norms)
+            and getattr(config, "hidden_act", "silu") == "silu"
+            and (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default") == "default")
+
+
 class LeanEagle3:
     """``head`` (a ``heads.eagle3.Eagle3Head`` on the target's device and dtype) drafting through ``lean``, the
     target's lean pass. Its weights are packed once, here: a head whose weights change afterwards drafts from the
@@ -31,20 +50,12 @@ class LeanEagle3:
 
     def __init__(self, head, lean: LeanLlama):
         self.head, self.lean = head, lean
-        layer, hidden = head.midlayer, head.hidden_size
-        attention_module, mlp = layer.self_attn, layer.mlp
-        qkv = torch.cat([attention_module.q_proj.weight, attention_module.k_proj.weight,
-                         attention_module.v_proj.weight])
-        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        self.layer = {"qkv": (lean.pack(qkv), qkv.shape[0]), "gate_up": (lean.pack(gate_up), gate_up.shape[0]),
-                      "o": (lean.pack(attention_module.o_proj.weight), hidden),
-                      "down": (lean.pack(mlp.down_proj.weight), hidden),
-                      "input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
-                      "eps": float(layer.input_layernorm.variance_epsilon)}
+        layer = head.midlayer
+        self.layer = lean.pack_layer(layer)  # q, k and v read 2H: the concat of the two norms
         self.hidden_norm = (layer.hidden_norm.weight, float(layer.hidden_norm.variance_epsilon))
         self.final_norm = (head.norm.weight, float(head.norm.variance_epsilon))
         self.stack_args = stack_weights([self.layer])
-        self.fc = (lean.pack(head.fc.weight), hidden)
+        self.fc = (lean.pack(head.fc.weight), head.hidden_size)
         self.lm_head = (lean.pack(head.lm_head.weight), head.lm_head.out_features)
 
     @staticmethod
@@ -56,20 +67,13 @@ class LeanEagle3:
             return False
         layer = head.midlayer
         attention_module, mlp = layer.self_attn, layer.mlp
-        linears = (head.fc, head.lm_head, attention_module.q_proj, attention_module.k_proj, attention_module.v_proj,
-                   attention_module.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, head.norm)
-        config = head.layer_config
-        return (all(linear.weight.dtype == torch.bfloat16 and linear.weight.device.type == "cpu"
-                    and linear.bias is None for linear in linears)
-                # the runtime's heads run decode norms: subclasses of the stock norm classes
-                and all(any(cls.__name__ in LLAMA_FORMULA_NORMS for cls in type(norm).__mro__) for norm in norms)
-                and getattr(config, "hidden_act", "silu") == "silu"
+        return (plain_layers([head.fc, head.lm_head, *layer_linears(layer)],
+                             [layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, head.norm],
+                             head.layer_config)
                 and attention_module.q_proj.out_features == lean.heads * lean.head_dim
                 and attention_module.k_proj.out_features == lean.kv_heads * lean.head_dim
                 and mlp.gate_proj.out_features == lean.intermediate
-                and float(getattr(attention_module, "scaling", lean.scale)) == lean.scale
-                and (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default") == "default")
+                and float(getattr(attention_module, "scaling", lean.scale)) == lean.scale)
 
     def hidden_states(self, input_ids: torch.Tensor, features: torch.Tensor, position_ids: torch.Tensor,
                       attention_mask: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -114,19 +118,11 @@ class LeanDFlash:
         self.head, self.lean = head, lean
         self.layers = []
         for layer in head.layers:
-            attention_module, mlp = layer.self_attn, layer.mlp
-            qkv = torch.cat([attention_module.q_proj.weight, attention_module.k_proj.weight,
-                             attention_module.v_proj.weight])
+            attention_module = layer.self_attn
             kv = torch.cat([attention_module.k_proj.weight, attention_module.v_proj.weight])
-            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-            # the lean layer's dict (LeanLlama._packed_layers), with the q/k norms it applies where present
+            # the lean layer, with the q/k norms it applies where present and k, v alone for the context
             self.layers.append({
-                "qkv": (lean.pack(qkv), qkv.shape[0]), "kv": (lean.pack(kv), kv.shape[0]),
-                "o": (lean.pack(attention_module.o_proj.weight), head.hidden_size),
-                "gate_up": (lean.pack(gate_up), gate_up.shape[0]),
-                "down": (lean.pack(mlp.down_proj.weight), head.hidden_size),
-                "input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
-                "eps": float(layer.input_layernorm.variance_epsilon),
+                **lean.pack_layer(layer), "kv": (lean.pack(kv), kv.shape[0]),
                 "q_norm": (attention_module.q_norm.weight, float(attention_module.q_norm.variance_epsilon)),
                 "k_norm": (attention_module.k_norm.weight, float(attention_module.k_norm.variance_epsilon))})
         self.fc = (lean.pack(head.fc.weight), head.hidden_size)
@@ -142,22 +138,12 @@ class LeanDFlash:
                 or not head.lm_head.attached):  # the target's LM head rows, which a loaded head has
             return False
         config = head.layer_config
-        weights = [head.fc.weight, head.lm_head.weight]
-        for layer in head.layers:
-            attention_module, mlp = layer.self_attn, layer.mlp
-            linears = (attention_module.q_proj, attention_module.k_proj, attention_module.v_proj,
-                       attention_module.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-            if any(linear.bias is not None for linear in linears):
-                return False
-            weights += [linear.weight for linear in linears]
+        linears = [head.fc, head.lm_head] + [linear for layer in head.layers for linear in layer_linears(layer)]
         norms = [head.hidden_norm, head.norm] + [norm for layer in head.layers for norm in (
             layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm)]
-        return (all(weight.dtype == torch.bfloat16 and weight.device.type == "cpu" for weight in weights)
-                and all(any(cls.__name__ in LLAMA_FORMULA_NORMS for cls in type(norm).__mro__) for norm in norms)
-                and getattr(config, "hidden_act", "silu") == "silu"
+        return (plain_layers(linears, norms, config)
                 and int(config.num_attention_heads) == lean.heads and int(config.num_key_value_heads) == lean.kv_heads
-                and int(config.head_dim) == lean.head_dim and int(config.intermediate_size) == lean.intermediate
-                and (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default") == "default")
+                and int(config.head_dim) == lean.head_dim and int(config.intermediate_size) == lean.intermediate)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """``heads.dflash.DFlashHead.context``: features [B, T, K*H] -> context [B, T, H]."""

@@ -104,19 +104,22 @@ class LeanLlama:
                 and not torch.is_grad_enabled())
 
     def _packed_layers(self) -> list[dict]:
-        """Each layer's weights: q, k, v packed side by side, gate and up side by side, o and down, the norms."""
-        layers = []
-        for layer in self.model.get_decoder().layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            qkv = torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight])
-            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-            layers.append({"qkv": (self.pack(qkv), qkv.shape[0]), "gate_up": (self.pack(gate_up), gate_up.shape[0]),
-                           "o": (self.pack(attention.o_proj.weight), attention.o_proj.weight.shape[0]),
-                           "down": (self.pack(mlp.down_proj.weight), mlp.down_proj.weight.shape[0]),
-                           "input_norm": layer.input_layernorm.weight,
-                           "post_norm": layer.post_attention_layernorm.weight,
-                           "eps": float(layer.input_layernorm.variance_epsilon)})
-        return layers
+        """Each layer's weights as ``pack_layer`` keeps them."""
+        return [self.pack_layer(layer) for layer in self.model.get_decoder().layers]
+
+    def pack_layer(self, layer) -> dict:
+        """A Llama-shaped decoder layer's weights as ``_layer`` reads them: q, k, v packed side by side, gate and up
+        side by side, o and down, the norms' weights and epsilon (a draft head's layer too:
+        ``runtime.proposers.lean_head``)."""
+        attention_module, mlp = layer.self_attn, layer.mlp
+        qkv = torch.cat([attention_module.q_proj.weight, attention_module.k_proj.weight,
+                         attention_module.v_proj.weight])
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+        return {"qkv": (self.pack(qkv), qkv.shape[0]), "gate_up": (self.pack(gate_up), gate_up.shape[0]),
+                "o": (self.pack(attention_module.o_proj.weight), attention_module.o_proj.weight.shape[0]),
+                "down": (self.pack(mlp.down_proj.weight), mlp.down_proj.weight.shape[0]),
+                "input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                "eps": float(layer.input_layernorm.variance_epsilon)}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] through the packed LM head."""

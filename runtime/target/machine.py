@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from runtime.target.host_memory import transparent_huge_pages
 from runtime.target.kernels import native_bf16_matmul
 
 CPUINFO_FIELDS = {"model name": "cpu", "cpu family": "family", "model": "model", "stepping": "stepping",
@@ -55,7 +56,8 @@ def machine_key(device: torch.device) -> str:
 def machine_description(device: torch.device) -> dict:
     """What a results file records about the machine: CPU model, its family/model/stepping, clock and cache (the
     model name alone does not tell two generations apart), the flags that choose kernels, torch's CPU capability,
-    the cores (and those this process may use), and the GPU when the run used one."""
+    the cores (and those this process may use), the transparent huge page setting (the packed weights' pages:
+    runtime.target.host_memory), and the GPU when the run used one."""
     info = cpu_info()  # empty off Linux: the platform string is what there is
     flags = set(info.get("flags", "").split())
     described = {"cpu": info.get("cpu") or platform.processor() or platform.machine(),
@@ -64,7 +66,8 @@ def machine_description(device: torch.device) -> dict:
                  "cpu_flags": [flag for flag in CPU_FLAGS if flag in flags],
                  "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
                  "cores_available": usable_cores(),
-                 "native_bf16_matmul": native_bf16_matmul()}
+                 "native_bf16_matmul": native_bf16_matmul(),
+                 "transparent_huge_pages": transparent_huge_pages()}
     if device.type == "cuda":
         described["gpu"] = torch.cuda.get_device_name(device)
     return described
