@@ -13,25 +13,33 @@ from runtime.engine.ragged import RaggedRows
 from runtime.engine.tree import Tree, verification_mask
 from runtime.proposers.ngram import NgramProposer
 from runtime.target.decode_layers import PackedWeights
-from runtime.target.kernels import bf16_amx_linear, bf16_packed_linear
+from runtime.target.kernels import LEAN_FORMS, lean_product
 from runtime.target.lean import LeanLlama
 from runtime.target.linear_plan import LinearPlan
 from runtime.target.model import target_from_model
 from tests.conftest import tiny_model
 
-FORM = "amx" if bf16_amx_linear() is not None else "blocks" if bf16_packed_linear() is not None else None
-pytestmark = pytest.mark.skipif(FORM is None, reason="the block-packed bf16 kernels do not run on this CPU")
+# every form whose products run here: the AVX2 row kernel's wherever AVX2 does (the path of CPUs without AVX512-BF16,
+# tested on the others too), the block kernels' where the CPU has their instructions
+FORMS_HERE = [form for form in LEAN_FORMS if lean_product(form) is not None]
+pytestmark = pytest.mark.skipif(not FORMS_HERE, reason="the lean pass's bf16 kernels do not run on this CPU")
 
 
-def lean_target(seed: int = 0, compiled_layers: bool = True):
+@pytest.fixture(params=FORMS_HERE or [None])
+def form(request) -> str:
+    """Each lean form that runs here, in turn."""
+    return request.param
+
+
+def lean_target(form: str, seed: int = 0, compiled_layers: bool = True):
     """A tiny Llama in bf16 whose heads the decode attention kernel takes (head size 64), with and without the lean
-    pass (its plan: the block-packed kernel for every product; ``compiled_layers``: its layer stack in one compiled
-    call where every row has the same length, else its Python loop)."""
+    pass (its plan: ``form``'s kernel for every product; ``compiled_layers``: its layer stack in one compiled call
+    where every row has the same length, else its Python loop)."""
     model = tiny_model("llama", seed=seed, vocab_size=96, hidden_size=128, intermediate_size=256,
                        num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
                        max_position_embeddings=256).to(torch.bfloat16)
     target = target_from_model(model, identity="tiny-lean")
-    packed = PackedWeights(LinearPlan(FORM, {}, ((256, True),)))
+    packed = PackedWeights(LinearPlan(form, {}, ((256, True),)))
     assert LeanLlama.supports(model, packed)
     lean = LeanLlama(model, packed, compiled_layers)
     assert (lean.stack is not None) == compiled_layers  # the compiled stack builds wherever the block kernels run
@@ -55,11 +63,11 @@ def prefilled(target, prompts: torch.Tensor, extra: int):
 
 @pytest.mark.parametrize("compiled_layers", [True, False])
 @pytest.mark.parametrize("rows", [1, 3, 7])
-def test_a_verification_pass_equals_the_stock_layers(rows, compiled_layers):
+def test_a_verification_pass_equals_the_stock_layers(form, rows, compiled_layers):
     """Hidden states, requested layer inputs and the cache's new entries: equal, through the compiled layer stack and
     through the Python loop; logits within bf16 rounding of the LM head's product (the packed kernel beside the stock
     rules) and with the same argmax."""
-    target, lean = lean_target(compiled_layers=compiled_layers)
+    target, lean = lean_target(form, compiled_layers=compiled_layers)
     calls, stack = [], lean.stack
     if stack is not None:
         lean.stack = lambda *args: calls.append(1) or stack(*args)
@@ -81,10 +89,10 @@ def test_a_verification_pass_equals_the_stock_layers(rows, compiled_layers):
     assert torch.equal(stock.logits.argmax(-1), ours.logits.argmax(-1))
 
 
-def test_packed_ragged_rows_equal_the_stock_layers():
+def test_packed_ragged_rows_equal_the_stock_layers(form):
     """Rows of different committed lengths and tree sizes, packed: the lean pass writes each row's entries at its
     own length and attends over its own keys, as the stock pass does."""
-    target, lean = lean_target()
+    target, lean = lean_target(form)
     torch.manual_seed(2)
     prompts = torch.randint(0, 96, (2, 8))
     counts = [3, 1]
@@ -109,10 +117,10 @@ def test_packed_ragged_rows_equal_the_stock_layers():
 
 @pytest.mark.parametrize("compiled_layers", [True, False])
 @pytest.mark.parametrize("batched", [False, True])
-def test_decoding_through_the_lean_pass_is_the_stock_passes_decoding(batched, compiled_layers):
+def test_decoding_through_the_lean_pass_is_the_stock_passes_decoding(form, batched, compiled_layers):
     """Greedy decoding with prompt lookup, alone and in a batch of rows: token for token what the stock layers
     decode (both in bf16)."""
-    target, lean = lean_target(seed=3, compiled_layers=compiled_layers)
+    target, lean = lean_target(form, seed=3, compiled_layers=compiled_layers)
     prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 8, 9, 8, 9], [1, 2, 3, 4, 1, 2, 3]]
     outputs = []
     for pass_lean in (None, lean):

@@ -20,14 +20,14 @@ from runtime.proposers.lean_head import LeanDFlash, LeanEagle3
 from runtime.target.attention import use_tree_attention
 from runtime.target.decode_layers import PackedWeights, decode_layer_classes
 from runtime.target.linear_plan import LinearPlan
-from tests.test_lean import FORM, lean_target
+from tests.test_lean import FORMS_HERE, form, lean_target  # noqa: F401 (the fixture)
 
-pytestmark = pytest.mark.skipif(FORM is None, reason="the block-packed bf16 kernels do not run on this CPU")
+pytestmark = pytest.mark.skipif(not FORMS_HERE, reason="the lean pass's bf16 kernels do not run on this CPU")
 
 
-def bf16_head(target, seed: int = 0) -> Eagle3Head:
+def bf16_head(target, form: str, seed: int = 0) -> Eagle3Head:
     """A random EAGLE-3 head for the tiny lean target, in bf16, its modules switched to the decode layers with every
-    product the block-packed kernel's (what the lean layer computes with), tree attention as the runtime runs it."""
+    product ``form``'s kernel (what the lean layer computes with), tree attention as the runtime runs it."""
     torch.manual_seed(seed)
     head = Eagle3Head(Eagle3Config(feature_layers=[0, 1, 1], draft_vocab_size=48), target.config)
     with torch.no_grad():
@@ -35,13 +35,13 @@ def bf16_head(target, seed: int = 0) -> Eagle3Head:
             parameter.add_(torch.randn_like(parameter) * 0.05)
     head.attach_target_weights(*frozen_target_weights(target.model))
     head.set_draft_vocab(torch.arange(48) * 2 - torch.arange(48), torch.arange(96) % 2 == 0)
-    return decode_switched(head.to(torch.bfloat16).eval())
+    return decode_switched(head.to(torch.bfloat16).eval(), form)
 
 
-def decode_switched(head):
-    """``head`` with its modules switched to the decode layers, every product the block-packed kernel's (what the lean
-    drafters compute with), and tree attention as the runtime runs it."""
-    decode_class = decode_layer_classes(PackedWeights(LinearPlan(FORM, {}, ((256, True),))))
+def decode_switched(head, form: str):
+    """``head`` with its modules switched to the decode layers, every product ``form``'s kernel (what the lean drafters
+    compute with), and tree attention as the runtime runs it."""
+    decode_class = decode_layer_classes(PackedWeights(LinearPlan(form, {}, ((256, True),))))
     for module in head.modules():
         fast = decode_class(type(module))
         if fast is not None:
@@ -55,11 +55,11 @@ def head_cache(head, length: int) -> KVCache:
 
 
 @pytest.mark.parametrize("rows", [1, 5])
-def test_the_lean_layer_equals_the_heads_modules(rows):
+def test_the_lean_layer_equals_the_heads_modules(form, rows):
     """A run of verified rows (fused features, causal over the cached rows), then a frontier of tree nodes (the head's
     own hidden, a tree mask): equal hidden states, logits and cache entries either way."""
-    target, lean = lean_target()
-    head = bf16_head(target)
+    target, lean = lean_target(form)
+    head = bf16_head(target, form)
     assert LeanEagle3.supports(head, lean)
     drafter = LeanEagle3(head, lean)
     calls, stack = [], lean.stack
@@ -90,10 +90,10 @@ def test_the_lean_layer_equals_the_heads_modules(rows):
         assert torch.equal(stock, ours)
 
 
-def test_decoding_with_the_lean_head_is_the_targets_greedy_decoding():
-    target, lean = lean_target()
+def test_decoding_with_the_lean_head_is_the_targets_greedy_decoding(form):
+    target, lean = lean_target(form)
     target._lean = lean
-    proposer = EagleProposer(bf16_head(target, seed=3), target, depth=3, top_k=3)
+    proposer = EagleProposer(bf16_head(target, form, seed=3), target, depth=3, top_k=3)
     assert proposer.lean is not None  # the lean head drafts here
     prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(4))
     plain = SpeculativeDecoder(target).generate(prompt, 24)
@@ -101,7 +101,7 @@ def test_decoding_with_the_lean_head_is_the_targets_greedy_decoding():
     assert drafted.tokens == plain.tokens and drafted.target_forwards < plain.target_forwards + 1
 
 
-def bf16_dflash(target, seed: int = 0) -> DFlashHead:
+def bf16_dflash(target, form: str, seed: int = 0) -> DFlashHead:
     """A random two-layer DFlash head for the tiny lean target, in bf16, switched to the decode layers as
     ``bf16_head``."""
     torch.manual_seed(seed)
@@ -112,14 +112,14 @@ def bf16_dflash(target, seed: int = 0) -> DFlashHead:
             parameter.add_(torch.randn_like(parameter) * 0.05)
     head.attach_target_weights(*frozen_target_weights(target.model))
     head.set_draft_vocab(torch.arange(48) * 2 - torch.arange(48), torch.arange(96) % 2 == 0)
-    return decode_switched(head.to(torch.bfloat16).eval())
+    return decode_switched(head.to(torch.bfloat16).eval(), form)
 
 
 @pytest.mark.parametrize("context_rows", [1, 6])
-def test_lean_dflash_equals_the_heads_modules(context_rows):
+def test_lean_dflash_equals_the_heads_modules(form, context_rows):
     """The context's keys and values, a block's hidden states, its cache entries and logits: equal either way."""
-    target, lean = lean_target()
-    head = bf16_dflash(target)
+    target, lean = lean_target(form)
+    head = bf16_dflash(target, form)
     assert LeanDFlash.supports(head, lean)
     drafter = LeanDFlash(head, lean)
     torch.manual_seed(5)
@@ -143,10 +143,10 @@ def test_lean_dflash_equals_the_heads_modules(context_rows):
         assert torch.equal(stock, ours)
 
 
-def test_decoding_with_lean_dflash_is_the_targets_greedy_decoding():
-    target, lean = lean_target()
+def test_decoding_with_lean_dflash_is_the_targets_greedy_decoding(form):
+    target, lean = lean_target(form)
     target._lean = lean
-    proposer = DFlashProposer(bf16_dflash(target, seed=6), target, top_k=2)
+    proposer = DFlashProposer(bf16_dflash(target, form, seed=6), target, top_k=2)
     assert proposer.lean is not None
     prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(7))
     plain = SpeculativeDecoder(target).generate(prompt, 24)
@@ -155,16 +155,16 @@ def test_decoding_with_lean_dflash_is_the_targets_greedy_decoding():
 
 
 @pytest.mark.parametrize("head_type", ["eagle3", "dflash"])
-def test_batched_drafting_through_the_lean_drafters_drafts_as_the_heads_modules(head_type):
+def test_batched_drafting_through_the_lean_drafters_drafts_as_the_heads_modules(form, head_type):
     """Rows of different lengths draft together (their caches then write row by row): the same trees through the lean
     drafters as through the heads' modules, hence the same outputs and passes. (A bf16 batch's output may differ from
     each prompt's own decoding at near-ties: its prefill and ragged passes round differently.)"""
-    target, lean = lean_target()
+    target, lean = lean_target(form)
     target._lean = lean
     if head_type == "eagle3":
-        proposer = EagleProposer(bf16_head(target, seed=8), target, depth=3, top_k=3)
+        proposer = EagleProposer(bf16_head(target, form, seed=8), target, depth=3, top_k=3)
     else:
-        proposer = DFlashProposer(bf16_dflash(target, seed=8), target, top_k=2)
+        proposer = DFlashProposer(bf16_dflash(target, form, seed=8), target, top_k=2)
     drafter = proposer.lean
     assert drafter is not None
     generator = torch.Generator().manual_seed(9)
@@ -179,11 +179,11 @@ def test_batched_drafting_through_the_lean_drafters_drafts_as_the_heads_modules(
     assert any(size > 1 for _, _, sizes, _ in runs[0] for size in sizes)  # trees were drafted and verified
 
 
-def test_rows_of_different_lengths_through_the_lean_layer_equal_the_heads_modules():
+def test_rows_of_different_lengths_through_the_lean_layer_equal_the_heads_modules(form):
     """Two rows whose caches hold 4 and 7 entries (the cache then writes row by row, not through shared views), two new
     rows each: equal hidden states and cache entries either way."""
-    target, lean = lean_target()
-    head = bf16_head(target, seed=10)
+    target, lean = lean_target(form)
+    head = bf16_head(target, form, seed=10)
     drafter = LeanEagle3(head, lean)
     torch.manual_seed(11)
     tokens = torch.randint(0, 96, (2, 2))

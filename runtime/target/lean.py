@@ -13,7 +13,8 @@ up projections, SiLU and the down product.
 Every product is the packed kernel's, which computes each output from its weight row alone, so packing q, k and v (or
 gate and up) side by side gives the same values as separate products; the rest follows the stock bf16 expressions.
 The lean pass applies where ``LeanLlama.applies`` says so: bf16 weights on CPU with the block-packed kernels (AMX tiles
-or AVX512-BF16), a plain Llama layer (no biases, Llama-formula norms, default rotary, no sliding window or
+or AVX512-BF16) or, on CPUs without AVX512-BF16, the AVX2 row kernel over copies of the weights as they are (the
+``rows`` form: each output from its weight row alone too), a plain Llama layer (no biases, Llama-formula norms, default rotary, no sliding window or
 soft-capping), the ``sdpa`` backend, at most ``DECODE_KERNEL_MAX_ROWS`` rows per sequence (a verification pass, not a
 prefill). Everything else takes the stock layers, which are what this pass is tested against.
 """
@@ -30,8 +31,8 @@ from runtime.target.attention import DECODE_KERNEL_HEAD_SIZES, DECODE_KERNEL_MAX
 from runtime.target.decode_layers import LLAMA_FORMULA_NORMS, PackedWeights
 from runtime.target.linear_plan import greedy_head_rows
 from runtime.engine.sampling import greedy_tokens
-from runtime.target.kernels import (INT8_ARGMAX_MAX_ROWS, INT8_KERNEL_MAX_ROWS, Int8Rows, bf16_amx_linear,
-                                    bf16_packed_linear, decode_attention, int8_argmax, int8_candidates, lean_layers,
+from runtime.target.kernels import (INT8_ARGMAX_MAX_ROWS, INT8_KERNEL_MAX_ROWS, LEAN_FORMS, Int8Rows,
+                                    decode_attention, int8_argmax, int8_candidates, lean_layers, lean_product,
                                     rms_norm_rows)
 
 LEAN_FAMILIES = ("llama",)
@@ -47,7 +48,7 @@ def stack_weights(layers: list[dict]) -> tuple[list[torch.Tensor], list[int], li
 
 class LeanLlama:
     """The lean pass over ``model``'s weights (a Llama-family transformers causal LM; never changed), with the packed
-    products of ``packed`` (its plan's form must be one the block kernels read). ``compiled_layers``: where every row
+    products of ``packed`` (its plan's form one of ``LEAN_FORMS``: the block kernels' layout or the row kernel's). ``compiled_layers``: where every row
     has the same cache length (a batch-1 step among them), run the layer stack in one compiled call
     (``runtime.target.kernels.lean_layers``: the same operations as ``_layer``, without a Python call per operation)
     where it builds; False keeps the Python loop (what the tests hold it to)."""
@@ -59,7 +60,8 @@ class LeanLlama:
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
         self.scale = self.head_dim ** -0.5
         self.intermediate = int(config.intermediate_size)
-        self.linear = bf16_amx_linear() if packed.plan.form == "amx" else bf16_packed_linear()
+        self.form = packed.plan.form
+        self.linear = lean_product(self.form)
         self.norm = rms_norm_rows()
         self.pack, self.arena = packed.pack, packed.arena
         self.layers = None  # packed on the first pass it takes: a target that never takes one pays nothing
@@ -72,14 +74,14 @@ class LeanLlama:
         # (runtime.target.linear_plan.greedy_head_rows)
         self.int8_rows = 0
         self._stack_args = None
-        self.stack = lean_layers(packed.plan.form == "amx") if compiled_layers else None
+        self.stack = lean_layers(self.form) if compiled_layers else None
 
     @staticmethod
     def supports(model, packed: PackedWeights | None) -> bool:
         """Whether ``model`` is one the lean pass computes exactly as its stock layers: a plain Llama layer stack in
-        bf16 on CPU, with the block-packed kernels and the decode attention kernel built here."""
+        bf16 on CPU, with the kernels of a lean form (``LEAN_FORMS``) and the decode attention kernel built here."""
         config = model.config
-        if (packed is None or packed.plan.form not in ("amx", "blocks") or config.model_type not in LEAN_FAMILIES
+        if (packed is None or packed.plan.form not in LEAN_FORMS or config.model_type not in LEAN_FAMILIES
                 or getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)
                 or getattr(config, "sliding_window", None) or getattr(config, "final_logit_softcapping", None)
                 or getattr(config, "hidden_act", "silu") != "silu"):
@@ -90,8 +92,7 @@ class LeanLlama:
         rope = getattr(config, "rope_parameters", None) or {}
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         norms = {type(layer.input_layernorm).__name__ for layer in model.get_decoder().layers}
-        kernels = (bf16_amx_linear() if packed.plan.form == "amx" else bf16_packed_linear(), rms_norm_rows(),
-                   attention.decode_attention())
+        kernels = (lean_product(packed.plan.form), rms_norm_rows(), attention.decode_attention())
         return (rope.get("rope_type", "default") == "default" and head_dim in DECODE_KERNEL_HEAD_SIZES
                 and norms <= set(LLAMA_FORMULA_NORMS) and all(kernel is not None for kernel in kernels))
 
@@ -141,7 +142,8 @@ class LeanLlama:
         (``runtime.target.kernels.int8_argmax``, ``runtime.target.linear_plan.greedy_head_rows``), else from the
         logits."""
         rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-        if int8_candidates() is None or not 1 <= rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
+        # the int8 candidates' gather packs the bf16 rows it keeps for the block kernels
+        if int8_candidates() is None or self.form == "rows" or not 1 <= rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
             return greedy_tokens(self.logits(hidden))
         if self.lm_head_int8 is None:
             self.lm_head_int8 = Int8Rows(self.lm_head, arena=self.arena)

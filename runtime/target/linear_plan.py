@@ -35,9 +35,11 @@ from runtime.target.assets import cache_dir, write_json_atomically
 from runtime.target.machine import machine_key
 
 # The packed forms of bf16 weights: the AVX512-BF16 kernel's blocks (runtime.target.kernels.pack_bf16_weight), oneDNN's
-# layout (runtime.target.kernels.pack_onednn_weight), and the AMX kernel over the blocks' layout
-# (runtime.target.kernels.bf16_amx_linear); and for fp32 weights the weight-major product, which needs no copy.
-FORMS = ("blocks", "onednn", "amx", "weight_major")
+# layout (runtime.target.kernels.pack_onednn_weight), the AMX kernel over the blocks' layout
+# (runtime.target.kernels.bf16_amx_linear), and on CPUs without AVX512-BF16 a copy of the weight as it is, on huge
+# pages, for the AVX2 row kernel (runtime.target.kernels.bf16_rows_linear; the lean pass's products there); and for
+# fp32 weights the weight-major product, which needs no copy.
+FORMS = ("blocks", "onednn", "amx", "rows", "weight_major")
 STOCK = "stock"
 # Row counts timed: decode steps, trees, batches of trees and short prefills. Beyond the largest the stock rules run.
 PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
@@ -50,7 +52,7 @@ GIVE_UP_RATIO = 2.0
 # runs them (the weights sit in cache), and timing them would decide on noise.
 MEASURE_MIN_BYTES = 16 << 20
 # Part of the cache key: raised whenever a product or the rule for choosing changes.
-PLAN_VERSION = 3
+PLAN_VERSION = 4
 
 Shape = tuple[int, int]  # a weight's [N, K]
 Runs = tuple[tuple[int, bool], ...]  # (up to rows, packed?) ascending by rows

@@ -247,18 +247,41 @@ def rms_norm_rows() -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tenso
     return None if module is None else module.rms_norm_rows
 
 
+# What the lean pass's products read, per form of the weights' copies (runtime.target.linear_plan.FORMS): the AMX tile
+# kernel and the AVX512-BF16 packed kernel read the block layout, the AVX2 row kernel the weight [N, K] as it is.
+LEAN_FORMS = ("amx", "blocks", "rows")
+
+
+def lean_product(form: str) -> Callable[..., torch.Tensor] | None:
+    """The product of the lean pass over weights of ``form`` (``LEAN_FORMS``) as (x [M, K] bf16, weight copy, N,
+    bias [N] or None) -> [M, N] bf16, or None where it does not run here."""
+    if form == "amx":
+        return bf16_amx_linear()
+    if form == "blocks":
+        return bf16_packed_linear()
+    if form == "rows" and (rows := bf16_rows_linear()) is not None:
+        return lambda x, weight, n, bias: rows(x, weight, bias)
+    return None
+
+
 @functools.cache
-def lean_layers(amx: bool) -> Callable[..., list[torch.Tensor]] | None:
+def lean_layers(form: str) -> Callable[..., list[torch.Tensor]] | None:
     """The lean pass's decoder layers in one call (lean_layers.cpp; ``runtime.target.lean.LeanLlama`` says what it
-    takes), with the AMX tile kernel's products (``amx``) or the AVX512-BF16 packed kernel's, or None where those do
-    not run here or it cannot be built. Each layer is ``LeanLlama._layer``'s operations in its order and dtypes, equal
-    bit for bit (the test holds the two to each other)."""
-    if (bf16_amx_linear() if amx else bf16_packed_linear()) is None or decode_attention() is None:
+    takes), with the products of ``form`` (``LEAN_FORMS``: the AMX tile kernel's, the AVX512-BF16 packed kernel's or
+    the AVX2 row kernel's), or None where those do not run here or it cannot be built. Each layer is
+    ``LeanLlama._layer``'s operations in its order and dtypes, equal bit for bit (the test holds the two to each
+    other)."""
+    if lean_product(form) is None or decode_attention() is None:
         return None
-    linked = ("bf16_packed_rows.cpp", "rms_norm.cpp", "decode_attention.cpp") + (("bf16_amx_rows.cpp",) if amx else ())
+    amx, rows = form == "amx", form == "rows"
+    products = ("bf16_rows.cpp",) if rows else ("bf16_packed_rows.cpp",) + (("bf16_amx_rows.cpp",) if amx else ())
+    # the stack's attention is the build decode_attention() returns (the loop's): the AVX512-BF16 one where it runs
+    wide = avx512_bf16_kernels()
     module = _compiled("lean_layers.cpp", "the lean pass calls each layer's operations from Python",
-                       AMX_KERNEL_FLAGS if amx else DOT_KERNEL_FLAGS, "amx" if amx else "", linked,
-                       ("HEADSTART_AMX",) if amx else ())
+                       AMX_KERNEL_FLAGS if amx else DOT_KERNEL_FLAGS if wide else ROW_KERNEL_FLAGS,
+                       "rows" + ("512" if wide else "") if rows else "amx" if amx else "",
+                       products + ("rms_norm.cpp", "decode_attention.cpp"),
+                       ("HEADSTART_AMX",) if amx else ("HEADSTART_ROWS",) if rows else ())
     if module is None or (amx and not module.enable_amx()):
         return None
     return module.lean_layers
