@@ -7,9 +7,9 @@ import torch.nn.functional as F
 import runtime.target.kernels as kernels
 from runtime.target.decode_layers import DOT_KERNEL_MAX_ROWS, WEIGHT_MAJOR_MAX_ROWS, decode_linear
 from runtime.target.kernels import (KERNEL_CPU_CAPABILITIES, Int8Rows, bf16_amx_linear, bf16_dot_linear,
-                                    bf16_packed_linear, bf16_rows_linear, bf16_rows_matmul, decode_attention,
-                                    decode_attention_avx2, int8_argmax, int8_candidates, onednn_bf16_linear,
-                                    pack_bf16_weight, pack_onednn_weight, rms_norm_rows)
+                                    bf16_packed_linear, bf16_packed_linear_avx2, bf16_rows_linear, bf16_rows_matmul,
+                                    decode_attention, decode_attention_avx2, int8_argmax, int8_candidates,
+                                    onednn_bf16_linear, pack_bf16_weight, pack_onednn_weight, rms_norm_rows)
 
 
 def built_or_fail(accessor=bf16_rows_matmul):
@@ -137,12 +137,19 @@ def test_pack_bf16_weight_layout_by_hand():
     assert weight[0, 0] == 0.0 and weight.shape == (35, 3)  # the weight itself is untouched
 
 
-# The kernels over pack_bf16_weight's layout: AVX512-BF16's dot product, and AMX tiles.
-PACKED_KERNELS = ("blocks", "amx")
+# The kernels over pack_bf16_weight's layout: AVX512-BF16's dot product, AMX tiles, and AVX2 FMAs.
+PACKED_KERNELS = ("blocks", "amx", "avx2")
 
 
 def packed_kernel_or_skip(which: str = "blocks"):
-    """The packed AVX512-BF16 kernel, on the same CPUs as the unpacked one; or the AMX kernel, on CPUs with AMX."""
+    """The packed AVX512-BF16 kernel, on the same CPUs as the unpacked one; the AMX kernel, on CPUs with AMX; or the
+    AVX2 kernel, on every CPU with AVX2 and FMA."""
+    if which == "avx2":
+        if torch.backends.cpu.get_cpu_capability() not in KERNEL_CPU_CAPABILITIES:
+            pytest.skip("the kernels need AVX2 and FMA")
+        kernel = bf16_packed_linear_avx2()
+        assert kernel is not None, "bf16_packed_linear_avx2: the kernel did not build on a CPU with AVX2"
+        return kernel
     dot_kernel_or_skip()
     if which == "amx":
         if not getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():

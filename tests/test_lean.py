@@ -19,8 +19,8 @@ from runtime.target.linear_plan import LinearPlan
 from runtime.target.model import target_from_model
 from tests.conftest import tiny_model
 
-# every form whose products run here: the AVX2 row kernel's wherever AVX2 does (the path of CPUs without AVX512-BF16,
-# tested on the others too), the block kernels' where the CPU has their instructions
+# every form whose products run here: the AVX2 kernel's wherever AVX2 does (the path of CPUs without AVX512-BF16,
+# tested on the others too), the AVX512-BF16 and AMX kernels' where the CPU has their instructions
 FORMS_HERE = [form for form in LEAN_FORMS if lean_product(form) is not None]
 pytestmark = pytest.mark.skipif(not FORMS_HERE, reason="the lean pass's bf16 kernels do not run on this CPU")
 

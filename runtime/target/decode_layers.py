@@ -30,7 +30,7 @@ from torch import nn
 
 from heads.common import FrozenProjection
 from runtime.target.host_memory import HugePageArena
-from runtime.target.kernels import (LEAN_FORMS, bf16_amx_linear, bf16_dot_linear, bf16_packed_linear,
+from runtime.target.kernels import (bf16_amx_linear, bf16_dot_linear, bf16_packed_linear, bf16_packed_linear_avx2,
                                     bf16_rows_linear, lean_product, native_bf16_matmul, onednn_bf16_linear,
                                     pack_bf16_weight, pack_onednn_weight, rms_norm_rows)
 from runtime.target.linear_plan import FP32_PLAN_ROWS, STOCK, LinearPlan, Product, default_plan, linear_plan
@@ -64,11 +64,6 @@ PACKED_KERNEL_MAX_ROWS = 256
 LLAMA_FORMULA_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 
 
-def copy_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] -> a contiguous copy of it (the ``rows`` form's); the weight is untouched."""
-    return weight.detach().clone(memory_format=torch.contiguous_format)
-
-
 def weight_major_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """rows [M, K] @ weight [N, K]^T (+ bias) computed as weight @ rows^T: [M, N], contiguous."""
     # The product comes out as [N, rows]; handing a transposed view on would make every later op (rotary, SDPA,
@@ -88,11 +83,10 @@ class PackedWeights:
     def __init__(self, plan: LinearPlan | None = None):
         self.plan = plan if plan is not None else default_plan(PACKED_KERNEL_MAX_ROWS)
         self.dtype = torch.float32 if self.plan.form == "weight_major" else torch.bfloat16
-        self._pack = {"onednn": pack_onednn_weight, "weight_major": lambda weight: weight,
-                      "rows": copy_weight}.get(self.plan.form, pack_bf16_weight)
-        # the block-packed and row-kernel copies are read in full by every pass: on huge pages
-        # (runtime.target.host_memory)
-        self.arena = HugePageArena(enabled=self.plan.form in LEAN_FORMS)
+        self._pack = {"onednn": pack_onednn_weight, "weight_major": lambda weight: weight}.get(self.plan.form,
+                                                                                              pack_bf16_weight)
+        # the block-packed copies are read in full by every pass: on huge pages (runtime.target.host_memory)
+        self.arena = HugePageArena(enabled=self._pack is pack_bf16_weight)
         self._copies: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
         # the plan's answer for each (weight shape, rows) asked: a pass asks it for every layer
         self._packed: dict[tuple[torch.Size, int], bool] = {}
@@ -263,10 +257,10 @@ def packed_products(dtype: torch.dtype = torch.bfloat16) -> dict[str, Product]:
         products["amx"] = (pack_blocks, lambda x, packed: amx(x, packed[0], packed[1], None))
     if (onednn := onednn_bf16_linear()) is not None:
         products["onednn"] = (pack_onednn_weight, lambda x, packed: onednn(x, packed, None))
-    if "blocks" not in products and (rows := bf16_rows_linear()) is not None:
-        # without the bf16 instructions: the row kernel over a copy on huge pages, against the stock rules (the same
-        # kernel over the weight itself from two rows, PyTorch's product for one)
-        products["rows"] = (copy_weight, lambda x, weight: rows(x, weight, None))
+    if "blocks" not in products and (avx2 := bf16_packed_linear_avx2()) is not None:
+        # without AVX512-BF16: the same layout with AVX2 FMAs, against the stock rules (the AVX2 row kernel over the
+        # weight itself from two rows, PyTorch's product for one)
+        products["avx2"] = (pack_blocks, lambda x, packed: avx2(x, packed[0], packed[1], None))
     if products:
         products[STOCK] = (lambda w: w, lambda x, w: decode_linear(x, w))
     return products

@@ -12,11 +12,11 @@ up projections, SiLU and the down product.
 
 Every product is the packed kernel's, which computes each output from its weight row alone, so packing q, k and v (or
 gate and up) side by side gives the same values as separate products; the rest follows the stock bf16 expressions.
-The lean pass applies where ``LeanLlama.applies`` says so: bf16 weights on CPU with the block-packed kernels (AMX tiles
-or AVX512-BF16) or, on CPUs without AVX512-BF16, the AVX2 row kernel over copies of the weights as they are (the
-``rows`` form: each output from its weight row alone too), a plain Llama layer (no biases, Llama-formula norms, default rotary, no sliding window or
-soft-capping), the ``sdpa`` backend, at most ``DECODE_KERNEL_MAX_ROWS`` rows per sequence (a verification pass, not a
-prefill). Everything else takes the stock layers, which are what this pass is tested against.
+The lean pass applies where ``LeanLlama.applies`` says so: bf16 weights on CPU with the block-packed kernels (AMX tiles,
+AVX512-BF16, or AVX2 FMAs where the CPU lacks AVX512-BF16), a plain Llama layer (no biases, Llama-formula norms,
+default rotary, no sliding window or soft-capping), the ``sdpa`` backend, at most ``DECODE_KERNEL_MAX_ROWS`` rows per
+sequence (a verification pass, not a prefill). Everything else takes the stock layers, which are what this pass is
+tested against.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def stack_weights(layers: list[dict]) -> tuple[list[torch.Tensor], list[int], li
 
 class LeanLlama:
     """The lean pass over ``model``'s weights (a Llama-family transformers causal LM; never changed), with the packed
-    products of ``packed`` (its plan's form one of ``LEAN_FORMS``: the block kernels' layout or the row kernel's). ``compiled_layers``: where every row
+    products of ``packed`` (its plan's form one of ``LEAN_FORMS``). ``compiled_layers``: where every row
     has the same cache length (a batch-1 step among them), run the layer stack in one compiled call
     (``runtime.target.kernels.lean_layers``: the same operations as ``_layer``, without a Python call per operation)
     where it builds; False keeps the Python loop (what the tests hold it to)."""
@@ -142,8 +142,7 @@ class LeanLlama:
         (``runtime.target.kernels.int8_argmax``, ``runtime.target.linear_plan.greedy_head_rows``), else from the
         logits."""
         rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-        # the int8 candidates' gather packs the bf16 rows it keeps for the block kernels
-        if int8_candidates() is None or self.form == "rows" or not 1 <= rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
+        if int8_candidates() is None or not 1 <= rows.shape[0] <= INT8_KERNEL_MAX_ROWS:
             return greedy_tokens(self.logits(hidden))
         if self.lm_head_int8 is None:
             self.lm_head_int8 = Int8Rows(self.lm_head, arena=self.arena)

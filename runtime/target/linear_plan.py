@@ -36,10 +36,10 @@ from runtime.target.machine import machine_key
 
 # The packed forms of bf16 weights: the AVX512-BF16 kernel's blocks (runtime.target.kernels.pack_bf16_weight), oneDNN's
 # layout (runtime.target.kernels.pack_onednn_weight), the AMX kernel over the blocks' layout
-# (runtime.target.kernels.bf16_amx_linear), and on CPUs without AVX512-BF16 a copy of the weight as it is, on huge
-# pages, for the AVX2 row kernel (runtime.target.kernels.bf16_rows_linear; the lean pass's products there); and for
-# fp32 weights the weight-major product, which needs no copy.
-FORMS = ("blocks", "onednn", "amx", "rows", "weight_major")
+# (runtime.target.kernels.bf16_amx_linear), the AVX2 kernel over the blocks' layout for CPUs without AVX512-BF16
+# (runtime.target.kernels.bf16_packed_linear_avx2); and for fp32 weights the weight-major product, which needs no
+# copy.
+FORMS = ("blocks", "onednn", "amx", "avx2", "weight_major")
 STOCK = "stock"
 # Row counts timed: decode steps, trees, batches of trees and short prefills. Beyond the largest the stock rules run.
 PLAN_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)

@@ -9,6 +9,8 @@ Where it cannot be built, callers get None and keep PyTorch's own product.
 that have it: several times more rows per weight read before compute binds.
 ``bf16_packed_linear``: the same layer over a weight packed once by ``pack_bf16_weight`` (bf16_packed_rows.cpp), on the
 same CPUs: no per-output reduction, so many rows run near the instruction's rate.
+``bf16_packed_linear_avx2``: the same layer over the same packed weight with AVX2 FMAs (bf16_packed_rows_avx2.cpp),
+on CPUs without AVX512-BF16.
 ``bf16_amx_linear``: the same layer over the same packed weight with AMX tiles (bf16_amx_rows.cpp), on CPUs that
 have them: up to 16 rows per tile product, so a few rows cost what one row costs.
 ``onednn_bf16_linear``: the same layer through oneDNN over a weight reordered once by ``pack_onednn_weight``, where
@@ -247,41 +249,48 @@ def rms_norm_rows() -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tenso
     return None if module is None else module.rms_norm_rows
 
 
-# What the lean pass's products read, per form of the weights' copies (runtime.target.linear_plan.FORMS): the AMX tile
-# kernel and the AVX512-BF16 packed kernel read the block layout, the AVX2 row kernel the weight [N, K] as it is.
-LEAN_FORMS = ("amx", "blocks", "rows")
+@functools.cache
+def bf16_packed_linear_avx2() -> Callable[..., torch.Tensor] | None:
+    """``bf16_packed_linear`` with AVX2 FMAs over the same packed weight (bf16_packed_rows_avx2.cpp), for CPUs without
+    AVX512-BF16 (it builds on any with AVX2 and FMA), or None where it cannot be built.
+
+    Each output is one fp32 sum over k of exact products, the bias added in fp32, one rounding: the reference it is
+    tested against is ``(x.float() @ weight.float().T + bias.float()).to(torch.bfloat16)``, equal up to summation
+    order. A row's outputs never depend on the other rows of the call.
+    """
+    module = _compiled("bf16_packed_rows_avx2.cpp", "bf16 rows use the AVX2 row kernel")
+    return None if module is None else module.bf16_packed_linear_avx2
+
+
+# The forms of the weights' copies the lean pass reads (runtime.target.linear_plan.FORMS), all pack_bf16_weight's
+# layout: the AMX tile kernel, the AVX512-BF16 packed kernel and the AVX2 packed kernel read it.
+LEAN_FORMS = ("amx", "blocks", "avx2")
 
 
 def lean_product(form: str) -> Callable[..., torch.Tensor] | None:
-    """The product of the lean pass over weights of ``form`` (``LEAN_FORMS``) as (x [M, K] bf16, weight copy, N,
-    bias [N] or None) -> [M, N] bf16, or None where it does not run here."""
-    if form == "amx":
-        return bf16_amx_linear()
-    if form == "blocks":
-        return bf16_packed_linear()
-    if form == "rows" and (rows := bf16_rows_linear()) is not None:
-        return lambda x, weight, n, bias: rows(x, weight, bias)
-    return None
+    """The product over packed weights of ``form`` (``LEAN_FORMS``) as (x [M, K] bf16, packed copy, N, bias [N] or
+    None) -> [M, N] bf16, or None where it does not run here."""
+    return {"amx": bf16_amx_linear, "blocks": bf16_packed_linear, "avx2": bf16_packed_linear_avx2}[form]()
 
 
 @functools.cache
 def lean_layers(form: str) -> Callable[..., list[torch.Tensor]] | None:
     """The lean pass's decoder layers in one call (lean_layers.cpp; ``runtime.target.lean.LeanLlama`` says what it
-    takes), with the products of ``form`` (``LEAN_FORMS``: the AMX tile kernel's, the AVX512-BF16 packed kernel's or
-    the AVX2 row kernel's), or None where those do not run here or it cannot be built. Each layer is
-    ``LeanLlama._layer``'s operations in its order and dtypes, equal bit for bit (the test holds the two to each
-    other)."""
+    takes), with the products of ``form`` (``LEAN_FORMS``), or None where those do not run here or it cannot be
+    built. Each layer is ``LeanLlama._layer``'s operations in its order and dtypes, equal bit for bit (the test holds
+    the two to each other)."""
     if lean_product(form) is None or decode_attention() is None:
         return None
-    amx, rows = form == "amx", form == "rows"
-    products = ("bf16_rows.cpp",) if rows else ("bf16_packed_rows.cpp",) + (("bf16_amx_rows.cpp",) if amx else ())
+    amx, avx2 = form == "amx", form == "avx2"
+    products = ("bf16_packed_rows_avx2.cpp",) if avx2 else ("bf16_packed_rows.cpp",) + (
+        ("bf16_amx_rows.cpp",) if amx else ())
     # the stack's attention is the build decode_attention() returns (the loop's): the AVX512-BF16 one where it runs
     wide = avx512_bf16_kernels()
     module = _compiled("lean_layers.cpp", "the lean pass calls each layer's operations from Python",
                        AMX_KERNEL_FLAGS if amx else DOT_KERNEL_FLAGS if wide else ROW_KERNEL_FLAGS,
-                       "rows" + ("512" if wide else "") if rows else "amx" if amx else "",
+                       "avx2" + ("_512" if wide else "") if avx2 else "amx" if amx else "",
                        products + ("rms_norm.cpp", "decode_attention.cpp"),
-                       ("HEADSTART_AMX",) if amx else ("HEADSTART_ROWS",) if rows else ())
+                       ("HEADSTART_AMX",) if amx else ("HEADSTART_AVX2",) if avx2 else ())
     if module is None or (amx and not module.enable_amx()):
         return None
     return module.lean_layers

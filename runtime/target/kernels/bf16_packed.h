@@ -54,8 +54,10 @@ inline PackedOperands packed_operands(const torch::Tensor& x, const torch::Tenso
   return a;
 }
 
+#ifdef __AVX512BF16__  // the AVX2 kernel over this layout (bf16_packed_rows_avx2.cpp) widens its rows instead
 inline __m512bh pair_of(const uint16_t* x) {  // x[0], x[1] broadcast to every lane
   int32_t bits;
   std::memcpy(&bits, x, sizeof(bits));
   return (__m512bh)_mm512_set1_epi32(bits);
 }
+#endif

@@ -6,8 +6,8 @@
 
 torch::Tensor bf16_packed_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
                                  const c10::optional<torch::Tensor>& bias);
-torch::Tensor bf16_rows_linear(const torch::Tensor& x, const torch::Tensor& weight,
-                               const c10::optional<torch::Tensor>& bias);
+torch::Tensor bf16_packed_linear_avx2(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                                      const c10::optional<torch::Tensor>& bias);
 torch::Tensor rms_norm_rows(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor decode_attention(const torch::Tensor& query, const torch::Tensor& key, const torch::Tensor& value,
                                const c10::optional<torch::Tensor>& mask, double scale,

@@ -4,7 +4,7 @@
 // four products, and from Python each costs a few microseconds of interpreter and binding around it
 // (scripts/bench_verify_pass.py times the pass both ways); from here each is one ATen call or a kernel's function.
 // Built with the kernels' sources into one module; with HEADSTART_AMX the products are the AMX tile kernel's, with
-// HEADSTART_ROWS the AVX2 row kernel's (CPUs without AVX512-BF16), else the AVX512-BF16 packed kernel's.
+// HEADSTART_AVX2 the AVX2 packed kernel's (CPUs without AVX512-BF16), else the AVX512-BF16 packed kernel's.
 #include <torch/extension.h>
 
 #include "bf16_bits.h"
@@ -58,8 +58,8 @@ void rotate_into(const torch::Tensor& qkv, const torch::Tensor& cos, const torch
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
 #if defined(HEADSTART_AMX)
   return bf16_amx_linear(x, packed, N, c10::nullopt);
-#elif defined(HEADSTART_ROWS)
-  return bf16_rows_linear(x, packed, c10::nullopt);  // the weight [N, K] as it is (the "rows" form)
+#elif defined(HEADSTART_AVX2)
+  return bf16_packed_linear_avx2(x, packed, N, c10::nullopt);
 #else
   return bf16_packed_linear(x, packed, N, c10::nullopt);
 #endif
