@@ -7,7 +7,8 @@ random bf16 weights, so that the 270 MB stream from memory as in a real pass rat
 milliseconds of --repeats passes per row count: PyTorch (``F.linear``), the AVX2 row kernel (runtime.target.kernels,
 what ``runtime.target.decode_layers.decode_linear`` uses for 2-16 bf16 rows on CPUs without AVX512-BF16) and, on CPUs
 with AVX512-BF16, the dot-product kernels: over the weights as they are (``bf16_dot_linear``) and over a packed copy
-(``bf16_packed_linear``), on CPUs with AMX the tile kernel over the same packed copy (``bf16_amx_linear``), and where
+(``bf16_packed_linear``), on CPUs with AMX the tile kernel over the same packed copy (``bf16_amx_linear``), the AVX2
+kernel over that copy (``bf16_packed_linear_avx2``, the lean pass's products on CPUs without AVX512-BF16), and where
 oneDNN takes bf16, oneDNN over a copy reordered once (``onednn_bf16_linear``; AMX tiles where the CPU has them). The
 runtime picks among the packed products per weight shape and row count by timing them on the machine at hand
 (runtime.target.linear_plan). Run it with nothing else on the machine.
@@ -42,8 +43,8 @@ import torch
 
 from bench.timing import median_ms, median_of_ms
 from runtime.target.kernels import (DOT_KERNEL_FLAGS, ROW_KERNEL_FLAGS, bf16_amx_linear, bf16_dot_linear,
-                                    bf16_packed_linear, bf16_rows_linear, bf16_rows_matmul, build_source,
-                                    onednn_bf16_linear, pack_bf16_weight, pack_onednn_weight)
+                                    bf16_packed_linear, bf16_packed_linear_avx2, bf16_rows_linear, bf16_rows_matmul,
+                                    build_source, onednn_bf16_linear, pack_bf16_weight, pack_onednn_weight)
 
 # q, k, v, o, gate, up, down of one decoder layer: [out, in]
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
@@ -77,12 +78,13 @@ def main(argv=None) -> int:
     weights.append(torch.randn(args.vocab, LAYER_SHAPES[0][1]).bfloat16())
     print(f"{torch.get_num_threads()} threads, {sum(w.numel() for w in weights) * 2 / 1e6:.0f} MB of bf16 weights")
     dot, packed = bf16_dot_linear(), bf16_packed_linear()
-    amx = bf16_amx_linear()  # over the same packed copy
-    packed_weights = [pack_bf16_weight(w) for w in weights] if packed is not None or amx is not None else []
+    amx, avx2 = bf16_amx_linear(), bf16_packed_linear_avx2()  # over the same packed copy
+    packed_weights = [pack_bf16_weight(w) for w in weights] if (packed, amx, avx2) != (None, None, None) else []
     columns = "| rows | F.linear ms | kernel ms | F.linear / kernel |" + (" AVX512-BF16 kernel ms | F.linear / it |"
                                                                         if dot is not None else "")
     columns += " packed kernel ms | F.linear / it |" if packed is not None else ""
     columns += " AMX kernel ms | F.linear / it |" if amx is not None else ""
+    columns += " AVX2 packed kernel ms | F.linear / it |" if avx2 is not None else ""
     onednn = onednn_bf16_linear()
     onednn_weights = [pack_onednn_weight(w) for w in weights] if onednn is not None else []
     columns += " oneDNN reordered ms | F.linear / it |" if onednn is not None else ""
@@ -104,15 +106,19 @@ def main(argv=None) -> int:
             amx_ms = median_ms(lambda: [amx(inputs[w.shape[1]], p, w.shape[0], None)
                                         for w, p in zip(weights, packed_weights)], args.repeats)
             line += f" {amx_ms:.1f} | {stock / amx_ms:.2f} |"
+        if avx2 is not None:
+            avx2_ms = median_ms(lambda: [avx2(inputs[w.shape[1]], p, w.shape[0], None)
+                                         for w, p in zip(weights, packed_weights)], args.repeats)
+            line += f" {avx2_ms:.1f} | {stock / avx2_ms:.2f} |"
         if onednn is not None:
             onednn_ms = median_ms(lambda: [onednn(inputs[w.shape[1]], p, None)
                                            for w, p in zip(weights, onednn_weights)], args.repeats)
             line += f" {onednn_ms:.1f} | {stock / onednn_ms:.2f} |"
         print(line)
-    if args.pages:
-        if packed is None:
-            raise SystemExit("--pages needs the AVX512-BF16 packed kernel, which this machine does not run")
-        compare_pages(packed, weights, packed_weights, args.rows, args.repeats)
+    if args.pages:  # the packed product the lean pass takes here
+        if (packed or avx2) is None:
+            raise SystemExit("--pages needs a packed kernel, which this machine does not run")
+        compare_pages(packed or avx2, weights, packed_weights, args.rows, args.repeats)
     if args.argmax:
         compare_argmax(packed, packed_weights[:-1], args.rows, args.repeats)  # every layer's weights, not the head
     if args.dot_baseline:
