@@ -3,10 +3,12 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include "bf16_linear.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -52,6 +54,24 @@ inline PackedOperands packed_operands(const torch::Tensor& x, const torch::Tenso
   a.b = a.bias.defined() ? a.bias.data_ptr<float>() : nullptr;
   a.o = a.out.data_ptr<at::BFloat16>();
   return a;
+}
+
+// Calls block(b, m, rows, columns) for every packed block b (in parallel) and every run [m, m + rows) of the M rows,
+// split into near-equal runs of at most max_rows (16 rows in runs of at most 12 go as 8 + 8, not 12 + 4); columns:
+// the block's columns below N.
+template <typename Block>
+inline void for_each_block(int64_t M, int64_t N, int64_t blocks, int64_t max_rows, const Block& block) {
+  const int64_t runs = (M + max_rows - 1) / max_rows;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t columns = std::min(kPackedBlockCols, N - b * kPackedBlockCols);
+      for (int64_t r = 0, m = 0; r < runs; ++r) {
+        const int64_t take = (M - m) / (runs - r);
+        block(b, m, take, columns);
+        m += take;
+      }
+    }
+  });
 }
 
 #ifdef __AVX512BF16__  // the AVX2 kernel over this layout (bf16_packed_rows_avx2.cpp) widens its rows instead

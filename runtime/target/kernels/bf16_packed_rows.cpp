@@ -80,18 +80,9 @@ torch::Tensor bf16_packed_linear(const torch::Tensor& x, const torch::Tensor& pa
   const uint16_t *xp = a.x, *wp = a.w;
   const float* bp = a.b;
   at::BFloat16* op = a.o;
-  // rows split into near-equal blocks of at most kMaxRows: 16 rows go as 8 + 8, not 12 + 4
-  const int64_t row_blocks = (M + kMaxRows - 1) / kMaxRows;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t columns = std::min(kBlockCols, N - b * kBlockCols);
-      for (int64_t r = 0, m = 0; r < row_blocks; ++r) {
-        const int64_t take = (M - m) / (row_blocks - r);
-        kBlocks[take](xp + m * x_stride, x_stride, wp + b * pairs * 2 * kBlockCols, pairs,
-                      bp != nullptr ? bp + b * kBlockCols : nullptr, op + m * N + b * kBlockCols, N, columns);
-        m += take;
-      }
-    }
+  for_each_block(M, N, blocks, kMaxRows, [&](int64_t b, int64_t m, int64_t rows, int64_t columns) {
+    kBlocks[rows](xp + m * x_stride, x_stride, wp + b * pairs * 2 * kBlockCols, pairs,
+                  bp != nullptr ? bp + b * kBlockCols : nullptr, op + m * N + b * kBlockCols, N, columns);
   });
   return a.out;
 }

@@ -100,19 +100,9 @@ torch::Tensor bf16_packed_linear_avx2(const torch::Tensor& x, const torch::Tenso
   const float* bp = a.b;
   at::BFloat16* op = a.o;
   // rows split into near-equal sweeps of at most kMaxRows: 12 rows go as 6 + 6, not 8 + 4
-  // rows split into near-equal blocks of at most kMaxRows: 16 rows go as 8 + 8, not 12 + 4
-  const int64_t row_blocks = (M + kMaxRows - 1) / kMaxRows;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t columns = std::min(kPackedBlockCols, N - b * kPackedBlockCols);
-      for (int64_t r = 0, m = 0; r < row_blocks; ++r) {
-        const int64_t take = (M - m) / (row_blocks - r);
-        packed_block(xp + m * x_stride, x_stride, take, wp + b * pairs * 2 * kPackedBlockCols, pairs,
-                     bp != nullptr ? bp + b * kPackedBlockCols : nullptr, op + m * N + b * kPackedBlockCols, N,
-                     columns);
-        m += take;
-      }
-    }
+  for_each_block(M, N, blocks, kMaxRows, [&](int64_t b, int64_t m, int64_t rows, int64_t columns) {
+    packed_block(xp + m * x_stride, x_stride, rows, wp + b * pairs * 2 * kPackedBlockCols, pairs,
+                 bp != nullptr ? bp + b * kPackedBlockCols : nullptr, op + m * N + b * kPackedBlockCols, N, columns);
   });
   return a.out;
 }
