@@ -11,7 +11,7 @@ import torch
 import runtime.target.decode_layers as decode_layers
 import runtime.target.linear_plan as linear_plan_module
 from runtime.target.decode_layers import PackedWeights, decode_linear
-from runtime.target.kernels import onednn_bf16_linear, pack_bf16_weight, pack_onednn_weight
+from runtime.target.kernels import lean_product, onednn_bf16_linear, pack_bf16_weight, pack_onednn_weight
 from runtime.target.linear_plan import STOCK, LinearPlan, choose_plan, default_plan, linear_plan, measure_linear_seconds
 
 SMALL, LARGE = (8, 4), (64, 4)
@@ -88,16 +88,18 @@ def test_a_plan_is_timed_once_per_machine_and_shapes_and_small_models_keep_the_f
     assert linear_plan(weights, {STOCK: products[STOCK]}, fallback) is fallback  # no packed form runs here
 
 
-@pytest.mark.parametrize("form", ["blocks", "onednn", "amx"])
+@pytest.mark.parametrize("form", ["blocks", "onednn", "amx", "avx2"])
 def test_packed_weights_follow_their_plan_and_keep_the_values(monkeypatch, form):
     """Where the plan says so, the packed copy in the plan's form computes the rows; elsewhere the stock rules do;
     both give the bf16 product up to summation order."""
     if form == "onednn" and onednn_bf16_linear() is None:
         pytest.skip("oneDNN does not take bf16 on this CPU")
-    if form == "blocks" and decode_layers.bf16_packed_linear() is None:
+    if form == "blocks" and lean_product("blocks") is None:
         pytest.skip("the packed AVX512-BF16 kernel needs a CPU with AVX512-BF16")
-    if form == "amx" and decode_layers.bf16_amx_linear() is None:
+    if form == "amx" and lean_product("amx") is None:
         pytest.skip("the AMX kernel needs a CPU with AMX tiles")
+    if form == "avx2" and lean_product("avx2") is None:
+        pytest.skip("the AVX2 packed kernel needs a CPU with AVX2 and FMA")
     weight, bias = torch.randn(48, 64).bfloat16(), torch.randn(48).bfloat16()
     store = PackedWeights(LinearPlan(form, {(48, 64): ((2, True),)}, ()))
     packed_rows = []

@@ -30,9 +30,8 @@ from torch import nn
 
 from heads.common import FrozenProjection
 from runtime.target.host_memory import HugePageArena
-from runtime.target.kernels import (bf16_amx_linear, bf16_dot_linear, bf16_packed_linear, bf16_packed_linear_avx2,
-                                    bf16_rows_linear, lean_product, native_bf16_matmul, onednn_bf16_linear,
-                                    pack_bf16_weight, pack_onednn_weight, rms_norm_rows)
+from runtime.target.kernels import (LEAN_FORMS, bf16_dot_linear, bf16_rows_linear, lean_product, native_bf16_matmul,
+                                    onednn_bf16_linear, pack_bf16_weight, pack_onednn_weight, rms_norm_rows)
 from runtime.target.linear_plan import FP32_PLAN_ROWS, STOCK, LinearPlan, Product, default_plan, linear_plan
 
 # Row counts up to which ``decode_linear`` computes weight @ hidden^T where no plan was timed: on some CPUs BLAS
@@ -248,19 +247,18 @@ def packed_products(dtype: torch.dtype = torch.bfloat16) -> dict[str, Product]:
         return {"weight_major": (lambda w: w, lambda x, w: weight_major_linear(x, w)),
                 STOCK: (lambda w: w, lambda x, w: F.linear(x, w))}
     products: dict[str, Product] = {}
-    def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, int]:  # the layout both kernels below read
+    def pack_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, int]:  # the layout the lean forms' kernels read
         return pack_bf16_weight(weight), weight.shape[0]
 
-    if (blocks := bf16_packed_linear()) is not None:
-        products["blocks"] = (pack_blocks, lambda x, packed: blocks(x, packed[0], packed[1], None))
-    if (amx := bf16_amx_linear()) is not None:
-        products["amx"] = (pack_blocks, lambda x, packed: amx(x, packed[0], packed[1], None))
+    def over_blocks(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        return lambda x, packed: kernel(x, packed[0], packed[1], None)
+
+    for form in LEAN_FORMS:
+        # the AVX2 kernel only without AVX512-BF16's: the same layout, and those win wherever they run
+        if (kernel := lean_product(form)) is not None and not (form == "avx2" and "blocks" in products):
+            products[form] = (pack_blocks, over_blocks(kernel))
     if (onednn := onednn_bf16_linear()) is not None:
         products["onednn"] = (pack_onednn_weight, lambda x, packed: onednn(x, packed, None))
-    if "blocks" not in products and (avx2 := bf16_packed_linear_avx2()) is not None:
-        # without AVX512-BF16: the same layout with AVX2 FMAs, against the stock rules (the AVX2 row kernel over the
-        # weight itself from two rows, PyTorch's product for one)
-        products["avx2"] = (pack_blocks, lambda x, packed: avx2(x, packed[0], packed[1], None))
     if products:
         products[STOCK] = (lambda w: w, lambda x, w: decode_linear(x, w))
     return products

@@ -263,10 +263,11 @@ def bf16_packed_linear_avx2() -> Callable[..., torch.Tensor] | None:
 
 
 # The forms of the weights' copies the lean pass reads (runtime.target.linear_plan.FORMS), all pack_bf16_weight's
-# layout: the AMX tile kernel, the AVX512-BF16 packed kernel and the AVX2 packed kernel read it.
-LEAN_FORMS = ("amx", "blocks", "avx2")
+# layout: the AVX512-BF16 packed kernel, the AMX tile kernel and the AVX2 packed kernel read it.
+LEAN_FORMS = ("blocks", "amx", "avx2")
 
 
+@functools.cache  # asked for every product of a decode-layers pass
 def lean_product(form: str) -> Callable[..., torch.Tensor] | None:
     """The product over packed weights of ``form`` (``LEAN_FORMS``) as (x [M, K] bf16, packed copy, N, bias [N] or
     None) -> [M, N] bf16, or None where it does not run here."""

@@ -85,6 +85,7 @@ void packed_block(const float* x, int64_t x_stride, int64_t rows, const uint16_t
 }
 
 }  // namespace
+
 // x [M, K] bfloat16, packed [ceil(N / 32), ceil(K / 2), 32, 2] bfloat16 (pack_bf16_weight's layout of weight
 // [N, K]), N -> (x @ weight^T + bias) [M, N] bfloat16. Each output is one fp32 sum over k in order of the exact
 // products, the bias added in fp32, one rounding to bf16 (round to nearest even, as Tensor.to). An output depends on
@@ -93,13 +94,12 @@ torch::Tensor bf16_packed_linear_avx2(const torch::Tensor& x, const torch::Tenso
                                       const c10::optional<torch::Tensor>& bias) {
   const PackedOperands a = packed_operands(x, packed, N, bias);
   const int64_t M = a.M, pairs = a.pairs, blocks = a.blocks, x_stride = a.x_stride;
-  std::vector<float> rows(M * x_stride);  // the rows widened once: every block broadcasts from them
-  for (int64_t i = 0; i < M * x_stride; ++i) rows[i] = widen(a.x[i]);
-  const float* xp = rows.data();
+  std::vector<float> widened(M * x_stride);  // the rows widened once: every block broadcasts from them
+  for (int64_t i = 0; i < M * x_stride; ++i) widened[i] = widen(a.x[i]);
+  const float* xp = widened.data();
   const uint16_t* wp = a.w;
   const float* bp = a.b;
   at::BFloat16* op = a.o;
-  // rows split into near-equal sweeps of at most kMaxRows: 12 rows go as 6 + 6, not 8 + 4
   for_each_block(M, N, blocks, kMaxRows, [&](int64_t b, int64_t m, int64_t rows, int64_t columns) {
     packed_block(xp + m * x_stride, x_stride, rows, wp + b * pairs * 2 * kPackedBlockCols, pairs,
                  bp != nullptr ? bp + b * kPackedBlockCols : nullptr, op + m * N + b * kPackedBlockCols, N, columns);

@@ -132,10 +132,8 @@ torch::Tensor bf16_rows_linear(const torch::Tensor& x, const torch::Tensor& weig
   return out;
 }
 
-#ifndef HEADSTART_ONE_MODULE  // lean_layers.cpp's build links this source into its own module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_rows_matmul", &bf16_rows_matmul, "x [M, K] fp32 @ weight [N, K] bf16 ^T -> [M, N] fp32");
   m.def("bf16_rows_linear", &bf16_rows_linear, "x [M, K] bf16 @ weight [N, K] bf16 ^T (+ bias [N]) -> [M, N] bf16",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
 }
-#endif
